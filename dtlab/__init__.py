@@ -1,0 +1,18 @@
+"""dtlab — the helpers shared by the distributed-training course and your own notebooks.
+
+One module per concept; import the one you need:
+
+    dtlab.environment  what the machine has; backend/device/process count (nccl+GPUs or gloo+CPU)
+    dtlab.distributed  rank/world helpers, set-up and teardown, rank-0-only work, seeding
+    dtlab.models       MLP, SmallResNet, TinyGPT, count_parameters
+    dtlab.data         deterministic synthetic data, scikit-learn digits, DistributedLoader
+    dtlab.checkpoint   atomic save, safe load, training state with RNG, resume
+    dtlab.measure      StepTimer, throughput, profiler breakdown by training phase
+    dtlab.live         LiveView: progress + loss curve in Jupyter, plain lines headless
+    dtlab.notebook     notebook parameters from Databricks widgets
+    dtlab.course       run the course notebooks headless (``dtlab course run``)
+
+Try ``help(dtlab.checkpoint)``, or ``dtlab env`` in a shell.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,136 @@
+"""Small helpers around ``torch.distributed``: start, stop, who am I, rank-0-only work, seeding.
+
+Lessons call ``dist.init_process_group`` themselves where the call *is* the lesson; these helpers
+are the plumbing for everything else. Nothing here keeps global state of its own: every answer
+comes from ``torch.distributed`` or from the environment variables a launcher sets
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), as torchrun,
+TorchDistributor, the DeepSpeed launcher and ``dtlab.launch`` all do.
+
+Typical worker::
+
+    from dtlab import distributed as dd
+    device = dd.setup()            # reads the launcher's env, picks backend, pins the GPU
+    ...                            # train
+    dd.print0("done")              # printed once, by rank 0
+    dd.teardown()                  # barrier, then destroy_process_group
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dtlab.environment import plan
+
+T = TypeVar("T")
+
+#: How long a collective may wait for its peers before raising instead of hanging forever.
+#: Override with the environment variable ``DTLAB_TIMEOUT_S``. (PyTorch's own default is
+#: 10 minutes for nccl and 30 minutes for gloo: far too long to notice a dead peer in a lesson.)
+DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("DTLAB_TIMEOUT_S", "120")))
+
+
+def rank() -> int:
+    """Global rank of this process (0 when not distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    """Number of processes in the job (1 when not distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_rank() -> int:
+    """Rank of this process on its own machine: the GPU it should use."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_main() -> bool:
+    """True on the one process that logs, prints and saves (global rank 0)."""
+    return rank() == 0
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """``print`` on rank 0 only, flushed so that launchers show it at once."""
+    if is_main():
+        print(*args, **kwargs, flush=True)
+
+
+def on_rank0(fn: Callable[..., T]) -> Callable[..., T | None]:
+    """Decorator: run ``fn`` on rank 0 only (other ranks get None). Does not synchronise."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T | None:
+        return fn(*args, **kwargs) if is_main() else None
+
+    return wrapper
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op when not distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for ``MASTER_PORT``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup(backend: str | None = None, timeout: timedelta | None = None) -> torch.device:
+    """Join the process group described by the launcher's environment variables.
+
+    Picks the backend with ``dtlab.environment.plan`` (nccl with GPUs, gloo without) unless one
+    is given, pins ``cuda:LOCAL_RANK`` on GPU machines, and uses ``DEFAULT_TIMEOUT`` so that a
+    dead peer raises instead of hanging. Returns the device this rank should use.
+
+    Raises:
+        RuntimeError: when the launcher's variables are missing, naming the fix.
+    """
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"setup() needs the launcher's environment variables; missing: {', '.join(missing)}. "
+                           "Fix: start this code with dtlab.launch.run, torchrun, TorchDistributor or the "
+                           "deepspeed launcher, which set them.")
+    p = plan(backend=backend, nprocs=1)  # nprocs=1: validate backend/device only
+    if p.device == "cuda":
+        device = torch.device("cuda", local_rank())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(p.backend, timeout=timeout or DEFAULT_TIMEOUT)
+    return device
+
+
+def teardown() -> None:
+    """Leave the process group cleanly: a barrier first, so no rank exits while others still talk."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and every GPU) so a run can be repeated exactly."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)

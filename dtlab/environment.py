@@ -1,0 +1,202 @@
+"""What this machine has, and how the course will run on it.
+
+The course runs the same code on a laptop CPU and on a GPU cluster. Everything that differs
+between the two is decided here, once:
+
+* with CUDA GPUs: backend ``nccl``, device ``cuda``, one process per GPU;
+* without:        backend ``gloo``, device ``cpu``, ``DEFAULT_CPU_PROCESSES`` processes.
+
+Either can be forced (``plan(backend="gloo")`` on a GPU box, for instance), and a forced choice
+that cannot work (``nccl`` with no GPU, more GPU processes than GPUs) is refused with an error
+that says how to fix it.
+
+>>> from dtlab.environment import plan
+>>> plan()                     # doctest: +SKIP
+Plan(backend='gloo', device='cpu', nprocs=2, reason='no CUDA GPU: gloo with 2 CPU processes')
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+
+import torch
+
+#: Processes used on a CPU-only machine when nothing is forced: the smallest world that is
+#: still distributed. More than the number of cores only oversubscribes them.
+DEFAULT_CPU_PROCESSES = 2
+
+#: Hard ceiling on CPU processes, as a multiple of the core count. Beyond a few processes per
+#: core, gloo collectives mostly measure the scheduler.
+MAX_CPU_PROCESSES_PER_CORE = 4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a distributed lesson will run here: backend, device type and process count."""
+
+    backend: str
+    device: str
+    nprocs: int
+    reason: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def gpu_count() -> int:
+    """Number of CUDA GPUs torch can see (0 on a CPU-only machine)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def plan(backend: str | None = None, nprocs: int | None = None, device: str | None = None) -> Plan:
+    """Decide backend, device and process count for this machine.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"`` to force one; ``None`` picks nccl with GPUs, gloo without.
+        nprocs: processes to start; ``None`` means one per GPU, or ``DEFAULT_CPU_PROCESSES`` on CPU.
+        device: ``"cuda"`` or ``"cpu"`` to force one; ``None`` follows the backend.
+
+    Raises:
+        ValueError: a forced choice this machine cannot run, with the fix in the message.
+    """
+    gpus = gpu_count()
+    cores = os.cpu_count() or 1
+    if backend is not None:
+        backend = backend.lower()
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend={backend!r} is not one the course uses. Fix: pass 'nccl' (GPUs), "
+                             "'gloo' (CPU, or GPUs without NCCL) or None to choose automatically.")
+    if device is not None:
+        device = device.lower()
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"device={device!r} is not supported. Fix: pass 'cuda', 'cpu' or None.")
+
+    if backend == "nccl" and gpus == 0:
+        raise ValueError("backend='nccl' needs CUDA GPUs, but torch.cuda.is_available() is False on this "
+                         "machine. Fix: use backend='gloo' (or leave backend unset to choose automatically).")
+    if device == "cuda" and gpus == 0:
+        raise ValueError("device='cuda' was forced, but no CUDA GPU is visible. Fix: use device='cpu' "
+                         "or leave device unset.")
+    if backend == "nccl" and device == "cpu":
+        raise ValueError("nccl only moves CUDA tensors. Fix: use backend='gloo' for device='cpu'.")
+
+    if backend is None:
+        backend = "nccl" if gpus and device != "cpu" else "gloo"
+    if device is None:
+        device = "cuda" if backend == "nccl" else "cpu"
+
+    if nprocs is None:
+        nprocs = gpus if device == "cuda" else DEFAULT_CPU_PROCESSES
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs={nprocs!r} must be a positive integer (or None for automatic).")
+    if device == "cuda" and nprocs > gpus:
+        raise ValueError(f"nprocs={nprocs} but this machine has {gpus} GPU(s); the course runs one process "
+                         f"per GPU. Fix: pass nprocs<={gpus}, or device='cpu' to run CPU processes.")
+    limit = MAX_CPU_PROCESSES_PER_CORE * cores
+    if device == "cpu" and nprocs > limit:
+        raise ValueError(f"nprocs={nprocs} CPU processes on {cores} core(s) is more than this machine can "
+                         f"usefully run (limit {limit}). Fix: pass nprocs<={cores} (one per core) for timing, "
+                         f"or at most {limit} for a correctness check.")
+
+    if device == "cuda":
+        reason = f"{gpus} CUDA GPU(s): {backend} with one process per GPU ({nprocs})"
+    elif gpus:
+        reason = f"CPU forced on a machine with {gpus} GPU(s): gloo with {nprocs} CPU processes"
+    else:
+        reason = f"no CUDA GPU: gloo with {nprocs} CPU processes"
+    return Plan(backend=backend, device=device, nprocs=nprocs, reason=reason)
+
+
+def _version(module: str) -> str | None:
+    try:
+        mod = importlib.import_module(module)
+    except Exception:
+        return None
+    return getattr(mod, "__version__", "unknown")
+
+
+def horovod_status() -> dict:
+    """Whether Horovod is importable with PyTorch, and which controllers/operations it was built with.
+
+    Returns a dict with ``installed`` (bool), ``version``, ``gloo``, ``mpi``, ``nccl`` and, when
+    something is missing, ``problem`` and ``fix`` (the command that repairs it).
+    """
+    fix = "make setup   (builds Horovod 0.28.1 with PyTorch + Gloo; see scripts/build_horovod.sh)"
+    try:
+        import horovod
+    except ImportError:
+        return {"installed": False, "problem": "horovod is not installed", "fix": fix}
+    try:
+        import horovod.torch as hvd
+    except Exception as exc:  # ImportError, or a torch ABI mismatch raised as OSError/RuntimeError
+        return {"installed": False, "version": horovod.__version__,
+                "problem": f"horovod is installed but not built for PyTorch ({type(exc).__name__}: {exc})",
+                "fix": fix}
+    return {"installed": True, "version": horovod.__version__, "gloo": bool(hvd.gloo_built()),
+            "mpi": bool(hvd.mpi_built()), "nccl": bool(hvd.nccl_built())}
+
+
+def java_version() -> str | None:
+    """The first line of ``java -version`` (Spark needs Java 17), or None without Java."""
+    java = shutil.which("java")
+    if java is None:
+        return None
+    try:
+        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = (out.stderr or out.stdout).strip().splitlines()
+    return lines[0] if lines else None
+
+
+def report() -> dict:
+    """Everything the course depends on, as a dict (see ``format_report`` for the printed form)."""
+    gpus = [torch.cuda.get_device_name(i) for i in range(gpu_count())]
+    dist = torch.distributed
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": gpus,
+        "backends": {
+            "gloo": dist.is_available() and dist.is_gloo_available(),
+            "nccl": dist.is_available() and dist.is_nccl_available(),
+            "mpi": dist.is_available() and dist.is_mpi_available(),
+        },
+        "bf16_on_gpu": bool(gpus) and torch.cuda.is_bf16_supported(),
+        "packages": {name: _version(name) for name in
+                     ("deepspeed", "pyspark", "mlflow", "papermill", "ipywidgets", "matplotlib")},
+        "horovod": horovod_status(),
+        "java": java_version(),
+        "plan": plan().as_dict(),
+    }
+
+
+def format_report(info: dict | None = None) -> str:
+    """The environment report as readable text (what ``dtlab env`` prints)."""
+    info = report() if info is None else info
+    lines = [
+        f"python      {info['python']}  ({info['platform']}, {info['cpu_cores']} CPU cores)",
+        f"torch       {info['torch']}  (CUDA {info['cuda'] or 'none'})",
+        f"GPUs        {', '.join(info['gpus']) if info['gpus'] else 'none'}",
+        "backends    " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in info["backends"].items()),
+    ]
+    for name, version in info["packages"].items():
+        lines.append(f"{name:<11} {version or 'not installed'}")
+    hvd = info["horovod"]
+    if hvd["installed"]:
+        built = [k for k in ("gloo", "mpi", "nccl") if hvd.get(k)]
+        lines.append(f"horovod     {hvd['version']}  (PyTorch; built with {', '.join(built) or 'nothing'})")
+    else:
+        lines.append(f"horovod     MISSING: {hvd['problem']}. Fix: {hvd['fix']}")
+    lines.append(f"java        {info['java'] or 'MISSING: Spark needs Java 17. Fix: apt-get install openjdk-17-jre'}")
+    p = info["plan"]
+    lines.append(f"course plan backend={p['backend']} device={p['device']} nprocs={p['nprocs']}  ({p['reason']})")
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""Measuring training: a step timer, throughput, and a profiler breakdown by training phase.
+
+GPU work is asynchronous: a CUDA kernel is queued and Python moves on. A timer that does not
+call ``torch.cuda.synchronize()`` measures the queueing, not the work. ``StepTimer`` does the
+synchronising for you when the device is CUDA, and nothing extra on CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+#: The four phases of a training step, in order, as the course labels them with
+#: ``torch.profiler.record_function``.
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+class StepTimer:
+    """Accumulates wall time per named section.
+
+    >>> timer = StepTimer()
+    >>> with timer("forward"):
+    ...     _ = sum(range(1000))
+    >>> timer.count["forward"]
+    1
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.cuda = torch.device(device).type == "cuda"
+        self.total: dict[str, float] = defaultdict(float)
+        self.count: dict[str, int] = defaultdict(int)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.total[name] += time.perf_counter() - start
+            self.count[name] += 1
+
+    def mean(self, name: str) -> float:
+        """Mean seconds per call of section ``name``."""
+        if not self.count[name]:
+            raise KeyError(f"section {name!r} was never timed (timed: {sorted(self.total)})")
+        return self.total[name] / self.count[name]
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """``{section: {"calls", "total_s", "mean_ms"}}`` for every timed section."""
+        return {k: {"calls": self.count[k], "total_s": self.total[k], "mean_ms": 1e3 * self.mean(k)}
+                for k in self.total}
+
+
+def throughput(samples: int, seconds: float) -> float:
+    """Samples per second; raises on a non-positive duration instead of returning inf."""
+    if seconds <= 0:
+        raise ValueError(f"seconds={seconds} must be positive")
+    return samples / seconds
+
+
+def phase_breakdown(prof: torch.profiler.profile, phases: Iterable[str] = PHASES) -> dict[str, dict[str, float]]:
+    """Time per phase from a profiler whose loop labelled its phases with ``record_function``.
+
+    Returns ``{phase: {"ms": total milliseconds, "share": fraction of the phases' sum}}``; on CUDA
+    the device (kernel) time is used when it is larger than the CPU time, since the CPU only
+    queues kernels.
+
+    Raises:
+        ValueError: when a phase was never recorded (a label typo, or no ``record_function``).
+    """
+    averages = {e.key: e for e in prof.key_averages()}
+    result: dict[str, dict[str, float]] = {}
+    for phase in phases:
+        if phase not in averages:
+            raise ValueError(f"phase {phase!r} was not recorded. Fix: wrap that part of the step in "
+                             f"torch.profiler.record_function({phase!r}). Recorded: "
+                             f"{sorted(k for k in averages if not k.startswith('aten::'))[:10]}")
+        e = averages[phase]
+        device_us = getattr(e, "device_time_total", 0) or 0
+        result[phase] = {"ms": max(e.cpu_time_total, device_us) / 1e3}
+    total = sum(v["ms"] for v in result.values()) or 1.0
+    for v in result.values():
+        v["share"] = v["ms"] / total
+    return result
+
+
+def matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, n: int = 512,
+                 repeats: int = 10) -> float:
+    """Measured FLOP/s of an ``n x n`` matrix multiply on ``device`` in ``dtype`` (best of ``repeats``).
+
+    A quick probe of what the hardware does with a precision: GPUs with tensor cores run bf16
+    many times faster than fp32; CPUs without native bf16 run it *slower*.
+    """
+    device = torch.device(device)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    timer = StepTimer(device)
+    with timer("warmup"):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = StepTimer(device)
+        with t("mm"):
+            a @ b
+        best = min(best, t.total["mm"])
+    return 2 * n**3 / best

@@ -1,0 +1,171 @@
+"""The course's models: small enough for a laptop CPU, shaped like the real thing.
+
+* ``MLP``       — a stack of Linear+ReLU layers; the default workhorse (fast, easy to reason about).
+* ``SmallResNet`` — a ResNet-style CNN (conv, batch norm, residual blocks) for image data.
+* ``TinyGPT``   — a decoder-only transformer (token + position embeddings, causal self-attention,
+  weight-tied output head) for the memory and scaling lessons.
+
+Every model is deterministic given ``torch.manual_seed`` and has no dropout, so distributed
+runs can be compared with single-process runs weight for weight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """Number of parameters, counting shared (tied) tensors once."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():  # .parameters() already skips duplicates of a tied tensor
+        if trainable_only and not p.requires_grad:
+            continue
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+class MLP(nn.Module):
+    """``depth`` hidden layers of width ``hidden``, ReLU between them.
+
+    >>> MLP(64, 128, 10, depth=2)(torch.zeros(4, 64)).shape
+    torch.Size([4, 10])
+    """
+
+    def __init__(self, in_features: int = 64, hidden: int = 256, out_features: int = 10, depth: int = 2):
+        super().__init__()
+        if depth < 1:
+            raise ValueError(f"depth={depth}: an MLP needs at least one hidden layer")
+        layers: list[nn.Module] = []
+        width = in_features
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        layers.append(nn.Linear(width, out_features))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.flatten(1))
+
+
+class ResidualBlock(nn.Module):
+    """conv-BN-ReLU-conv-BN plus the input (projected when the shape changes), then ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    """A three-stage ResNet for small images (8x8 digits, 32x32 synthetic images).
+
+    >>> SmallResNet(in_channels=1, num_classes=10)(torch.zeros(2, 1, 8, 8)).shape
+    torch.Size([2, 10])
+    """
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10, width: int = 16):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, 1, 1, bias=False),
+                                  nn.BatchNorm2d(width), nn.ReLU())
+        self.stages = nn.Sequential(ResidualBlock(width, width), ResidualBlock(width, 2 * width, 2),
+                                    ResidualBlock(2 * width, 4 * width, 2))
+        self.head = nn.Linear(4 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stages(self.stem(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where position t sees only positions <= t."""
+
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-2-shaped language model, small. The output head shares the token embedding's weight.
+
+    ``forward(idx)`` returns logits ``(batch, time, vocab)``; ``forward(idx, targets)`` returns
+    ``(logits, loss)``.
+
+    >>> TinyGPT(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)(torch.zeros(2, 16).long()).shape
+    torch.Size([2, 16, 32])
+    """
+
+    def __init__(self, vocab_size: int = 64, block_size: int = 32, n_layer: int = 2, n_head: int = 4,
+                 n_embd: int = 64):
+        super().__init__()
+        self.block_size = block_size
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # weight tying: one tensor, two uses
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        b, t = idx.shape
+        if t > self.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size={self.block_size}")
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -1,0 +1,147 @@
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from spawn import run_on
+
+from dtlab import checkpoint, models
+
+
+def _trained_pair(seed=0):
+    torch.manual_seed(seed)
+    model = models.MLP(8, 16, 3, depth=1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+def test_round_trip_restores_weights_optimizer_position_and_rng(tmp_path):
+    model, opt = _trained_pair()
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
+    path = checkpoint.save(tmp_path / "ck.pt", checkpoint.training_state(model, opt, epoch=2, step=30, note="x"))
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+
+    fresh, fresh_opt = models.MLP(8, 16, 3, depth=1), None
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    state = checkpoint.load(path)
+    assert checkpoint.restore(state, fresh, fresh_opt) == (2, 30) and state["note"] == "x"
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+
+
+def test_missing_directory_is_a_clear_error_and_creates_nothing(tmp_path):
+    target = tmp_path / "nope" / "ck.pt"
+    with pytest.raises(checkpoint.CheckpointError, match="does not exist.*os.makedirs"):
+        checkpoint.save(target, {"a": torch.ones(1)})
+    assert not (tmp_path / "nope").exists()
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    path = checkpoint.save(tmp_path / "ck.pt", {"v": torch.tensor([1.0])})
+
+    def broken_save(obj, f, *a, **k):
+        f.write(b"PK\x03\x04 half a zip")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(path, {"v": torch.tensor([2.0])})
+    monkeypatch.undo()
+    assert checkpoint.load(path)["v"].item() == 1.0
+    assert os.listdir(tmp_path) == ["ck.pt"], "the temporary file was cleaned up"
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from dtlab import checkpoint
+    path, i = sys.argv[1], 0
+    while True:
+        i += 1
+        checkpoint.save(path, {"i": i, "w": torch.full((1_000_000,), float(i))})
+        print(i, flush=True)
+""")
+
+
+def test_kill_9_during_writes_always_leaves_a_loadable_checkpoint(tmp_path):
+    path = tmp_path / "ck.pt"
+    rng = random.Random(0)
+    for _ in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+        proc.stdout.readline()  # at least one checkpoint exists
+        time.sleep(rng.uniform(0.0, 0.3))  # then die at a random point of a later write
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        state = checkpoint.load(path)
+        assert torch.all(state["w"] == float(state["i"])), "a complete checkpoint, never a mix"
+
+
+def test_corrupt_and_truncated_files_are_reported(tmp_path):
+    good = checkpoint.save(tmp_path / "good.pt", {"w": torch.ones(1000)})
+    data = good.read_bytes()
+    (tmp_path / "trunc.pt").write_bytes(data[: len(data) // 2])
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    for name in ("trunc.pt", "junk.pt"):
+        with pytest.raises(checkpoint.CheckpointError, match="truncated or corrupt"):
+            checkpoint.load(tmp_path / name)
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint at"):
+        checkpoint.load(tmp_path / "absent.pt")
+
+
+class Arbitrary:
+    pass
+
+
+def test_loading_uses_weights_only(tmp_path):
+    torch.save({"obj": Arbitrary()}, tmp_path / "code.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="weights_only=True refuses"):
+        checkpoint.load(tmp_path / "code.pt")
+
+
+def test_a_checkpoint_for_another_shape_is_refused_and_the_model_untouched(tmp_path):
+    model, opt = _trained_pair()
+    path = checkpoint.save(tmp_path / "ck.pt", checkpoint.training_state(model, opt))
+    other = models.MLP(8, 32, 3, depth=1)
+    before = [p.clone() for p in other.parameters()]
+    with pytest.raises(checkpoint.CheckpointError, match=r"net\.0\.weight: checkpoint \(16, 8\) vs model \(32, 8\)"):
+        checkpoint.restore(checkpoint.load(path), other)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
+
+
+def test_a_ddp_prefixed_checkpoint_gets_a_hint(tmp_path):
+    model = models.MLP(8, 16, 3, depth=1)
+    prefixed = {"model": {f"module.{k}": v for k, v in model.state_dict().items()}}
+    with pytest.raises(checkpoint.CheckpointError, match="save ddp_model.module"):
+        checkpoint.restore(prefixed, model)
+
+
+def _rank0_writer(directory):
+    from dtlab import distributed
+
+    distributed.setup()
+    path = os.path.join(directory, "shared.pt")
+    checkpoint.save_on_rank0(path, {"writer": torch.tensor(distributed.rank())})
+    seen = checkpoint.load(path)["writer"].item()  # every rank can read it after the barrier
+    distributed.teardown()
+    return seen
+
+
+def test_save_on_rank0_writes_once_and_everyone_can_read(tmp_path):
+    assert run_on(2, _rank0_writer, str(tmp_path)) == [0, 0]
+    assert os.listdir(tmp_path) == ["shared.pt"]

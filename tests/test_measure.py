@@ -1,0 +1,65 @@
+import time
+
+import pytest
+import torch
+from torch.profiler import profile, record_function
+
+from dtlab import measure
+
+
+def test_step_timer_accumulates_per_section():
+    timer = measure.StepTimer()
+    for _ in range(3):
+        with timer("sleep"):
+            time.sleep(0.01)
+    assert timer.count["sleep"] == 3
+    assert 0.01 <= timer.mean("sleep") < 0.5
+    assert timer.summary()["sleep"]["calls"] == 3
+    with pytest.raises(KeyError, match="never timed"):
+        timer.mean("other")
+
+
+def test_step_timer_records_even_when_the_body_raises():
+    timer = measure.StepTimer()
+    with pytest.raises(RuntimeError), timer("boom"):
+        raise RuntimeError
+    assert timer.count["boom"] == 1
+
+
+def test_throughput():
+    assert measure.throughput(100, 2.0) == 50.0
+    with pytest.raises(ValueError):
+        measure.throughput(100, 0)
+
+
+def _profiled(steps=3, phases=measure.PHASES):
+    model = torch.nn.Linear(32, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with profile() as prof:
+        for _ in range(steps):
+            with record_function(phases[0]):
+                x = torch.randn(64, 32)
+            with record_function(phases[1]):
+                loss = model(x).square().mean()
+            with record_function(phases[2]):
+                loss.backward()
+            with record_function(phases[3]):
+                opt.step()
+    return prof
+
+
+def test_phase_breakdown_sums_recorded_phases():
+    result = measure.phase_breakdown(_profiled())
+    assert list(result) == list(measure.PHASES)
+    assert all(v["ms"] > 0 for v in result.values())
+    assert abs(sum(v["share"] for v in result.values()) - 1) < 1e-9
+
+
+def test_phase_breakdown_names_a_missing_label():
+    prof = _profiled(phases=("data", "fwd", "backward", "optimizer"))
+    with pytest.raises(ValueError, match=r"record_function\('forward'\)"):
+        measure.phase_breakdown(prof)
+
+
+def test_matmul_flops_is_measured():
+    assert measure.matmul_flops("cpu", torch.float32, n=64, repeats=2) > 1e6

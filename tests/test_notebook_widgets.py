@@ -1,0 +1,44 @@
+"""apply_databricks_widgets against a stand-in for Databricks' ``dbutils.widgets`` API.
+
+``dbutils`` only exists inside Databricks; this minimal object has the two methods the helper
+calls (``text`` creates a widget with a default, ``get`` returns the job's value or the default).
+"""
+
+import pytest
+
+from dtlab.notebook import apply_databricks_widgets
+
+
+class Widgets:
+    def __init__(self, job_values):
+        self.job_values, self.created = job_values, {}
+
+    def text(self, name, default):
+        self.created[name] = default
+
+    def get(self, name):
+        return self.job_values.get(name, self.created[name])
+
+
+class DbUtils:
+    def __init__(self, job_values):
+        self.widgets = Widgets(job_values)
+
+
+def test_no_dbutils_is_a_no_op():
+    ns = {"epochs": 3}
+    assert apply_databricks_widgets(ns, ["epochs"]) == {} and ns == {"epochs": 3}
+
+
+def test_job_parameters_arrive_with_the_defaults_types():
+    ns = {"epochs": 3, "lr": 0.1, "backend": None, "nprocs": None, "name": "x", "plot": True,
+          "dbutils": DbUtils({"epochs": "5", "lr": "1e-3", "backend": "gloo", "nprocs": "4", "plot": "false"})}
+    changed = apply_databricks_widgets(ns, ["epochs", "lr", "backend", "nprocs", "name", "plot"])
+    assert changed == {"epochs": 5, "lr": 1e-3, "backend": "gloo", "nprocs": 4, "plot": False}
+    assert ns["name"] == "x" and ns["dbutils"].widgets.created["backend"] == ""
+
+
+def test_a_bad_widget_value_names_the_parameter():
+    ns = {"epochs": 3, "dbutils": DbUtils({"epochs": "three"})}
+    with pytest.raises(ValueError, match="widget epochs='three' cannot be used as int"):
+        apply_databricks_widgets(ns, ["epochs"])
