@@ -1,0 +1,82 @@
+"""The ``dtlab`` command line.
+
+    dtlab env [--json]                          what this machine has, and the course's plan for it
+    dtlab course list                           the notebooks, in order, with their parameters
+    dtlab course run [NOTEBOOK ...] [-p name=value ...] [--ci] [--runs DIR]
+                                                run notebooks headless into runs/<timestamp>/
+
+Exit codes: 0 success, 1 a notebook failed, 2 bad input (unknown notebook, malformed -p).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _env(args: argparse.Namespace) -> int:
+    from dtlab import environment
+
+    info = environment.report()
+    print(json.dumps(info, indent=2) if args.json else environment.format_report(info))
+    return 0
+
+
+def _course_list(args: argparse.Namespace) -> int:
+    from dtlab import course
+
+    for nb in course.find_notebooks(args.notebooks):
+        params = course.notebook_parameters(nb)
+        print(f"{nb.stem:<32} {', '.join(f'{k}={v}' for k, v in params.items())}")
+    return 0
+
+
+def _course_run(args: argparse.Namespace) -> int:
+    from dtlab import course
+
+    try:
+        params = course.parse_params(args.param)
+        run_dir, results = course.run(args.notebook, params, ci=args.ci, root=args.runs,
+                                      notebook_dir=args.notebooks, stream=not args.quiet)
+    except course.CourseError as exc:
+        print(f"dtlab course run: {exc}", file=sys.stderr)
+        return 2
+    print()
+    print(course.format_summary(results))
+    print(f"\nexecuted notebooks and summary: {run_dir}")
+    return 0 if all(r.status == "ok" for r in results) else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dtlab", description="Helpers for the distributed-training course.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    env = sub.add_parser("env", help="report GPUs, backends, library versions and the course's plan")
+    env.add_argument("--json", action="store_true", help="print the report as JSON")
+    env.set_defaults(func=_env)
+
+    course = sub.add_parser("course", help="list or run the course notebooks")
+    csub = course.add_subparsers(dest="course_command", required=True)
+    lst = csub.add_parser("list", help="list the notebooks and their parameters")
+    lst.add_argument("--notebooks", default=None, help="notebook folder (default: ./notebooks)")
+    lst.set_defaults(func=_course_list)
+    run = csub.add_parser("run", help="execute notebooks headless with papermill")
+    run.add_argument("notebook", nargs="*", help="names or numbers (e.g. 01 03_ddp); default: all")
+    run.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
+                     help="override a notebook parameter (repeatable), e.g. -p epochs=2")
+    run.add_argument("--ci", action="store_true", help="use each notebook's small CI parameters")
+    run.add_argument("--runs", default="runs", help="where run folders go (default: ./runs)")
+    run.add_argument("--notebooks", default=None, help="notebook folder (default: ./notebooks)")
+    run.add_argument("-q", "--quiet", action="store_true", help="do not stream cell output")
+    run.set_defaults(func=_course_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

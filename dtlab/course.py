@@ -1,0 +1,199 @@
+"""Run the course's notebooks headless with papermill, and summarise what happened.
+
+Each run goes to its own folder ``runs/<timestamp>/``: the executed notebooks (with outputs and
+plots), whatever the notebooks wrote (checkpoints, the MLflow store), and ``summary.json`` /
+``summary.md`` with each notebook's status, duration, and failing cell and error if any.
+Notebooks execute with that folder as their working directory, so nothing lands in the repo.
+
+A notebook may carry small "CI" parameters in its metadata (``metadata.dtlab.ci_parameters``);
+``ci=True`` uses them, so tests run the same notebooks in seconds rather than minutes.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class CourseError(ValueError):
+    """Bad input to the course runner (unknown notebook, malformed parameter); exit code 2."""
+
+
+@dataclass
+class Result:
+    """What happened to one notebook."""
+
+    notebook: str
+    status: str  # "ok" or "failed"
+    seconds: float
+    output: str
+    failing_cell: int | None = None
+    error: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def default_notebook_dir() -> Path:
+    """``./notebooks`` when run from the repo root, else the folder next to the installed package."""
+    here = Path.cwd() / "notebooks"
+    return here if here.is_dir() else Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def find_notebooks(directory: str | os.PathLike | None = None) -> list[Path]:
+    """The course notebooks (``NN_topic.ipynb``) in order."""
+    directory = Path(directory) if directory else default_notebook_dir()
+    return sorted(p for p in directory.glob("[0-9][0-9]_*.ipynb"))
+
+
+def resolve(names: list[str], available: list[Path]) -> list[Path]:
+    """Map user-given names (``01``, ``01_single_device_baseline``, a file name or path) to notebooks.
+
+    Raises:
+        CourseError: for a name that matches no notebook, listing the valid names.
+    """
+    if not names:
+        return list(available)
+    chosen = []
+    for name in names:
+        path = Path(name)
+        if path.suffix == ".ipynb" and path.is_file():
+            chosen.append(path)
+            continue
+        stem = path.stem if path.suffix == ".ipynb" else name
+        matches = [p for p in available if p.stem == stem or p.stem.split("_", 1)[0] == stem]
+        if len(matches) != 1:
+            valid = ", ".join(p.stem for p in available) or "(none found)"
+            raise CourseError(f"unknown notebook {name!r}. Valid names: {valid} "
+                              "(or just the number, e.g. 01).")
+        chosen.append(matches[0])
+    return chosen
+
+
+def parse_params(items: list[str]) -> dict[str, Any]:
+    """Parse ``["epochs=3", "backend='gloo'", "lr=1e-3"]`` into a dict of Python values.
+
+    Values are read as Python literals when they are one (``3``, ``1e-3``, ``True``, ``None``,
+    ``[1, 2]``) and as plain strings otherwise (``backend=gloo``).
+
+    Raises:
+        CourseError: for an item that is not ``name=value`` with a valid identifier.
+    """
+    params: dict[str, Any] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier():
+            raise CourseError(f"malformed parameter {item!r}. Format: -p name=value, e.g. -p epochs=3 "
+                              "-p backend=gloo -p lr=1e-3")
+        try:
+            params[name] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            params[name] = raw.strip()
+    return params
+
+
+def notebook_parameters(path: Path) -> dict[str, Any]:
+    """The parameters a notebook declares in its ``parameters`` cell (name -> default source)."""
+    import papermill
+
+    return {name: info["default"] for name, info in papermill.inspect_notebook(str(path)).items()}
+
+
+def ci_parameters(path: Path) -> dict[str, Any]:
+    """The small parameters a notebook asks for under CI (``metadata.dtlab.ci_parameters``)."""
+    meta = json.loads(Path(path).read_text()).get("metadata", {})
+    return dict(meta.get("dtlab", {}).get("ci_parameters", {}))
+
+
+def run_one(path: Path, run_dir: Path, params: dict[str, Any] | None = None, ci: bool = False,
+            stream: bool = True) -> Result:
+    """Execute one notebook into ``run_dir`` (also its working directory) and return the Result."""
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    merged = {**(ci_parameters(path) if ci else {}), **(params or {})}
+    out = run_dir / path.name
+    env_before = os.environ.get("DTLAB_HEADLESS")
+    os.environ["DTLAB_HEADLESS"] = "1"  # the kernel inherits it: LiveView prints lines instead of widgets
+    start = time.perf_counter()
+    try:
+        papermill.execute_notebook(
+            str(path), str(out), parameters=merged, cwd=str(run_dir), kernel_name="python3",
+            progress_bar=False, stdout_file=sys.stdout if stream else None,
+            stderr_file=sys.stderr if stream else None)
+        return Result(path.stem, "ok", time.perf_counter() - start, str(out), parameters=merged)
+    except PapermillExecutionError as exc:
+        return Result(path.stem, "failed", time.perf_counter() - start, str(out), failing_cell=exc.cell_index,
+                      error=f"{exc.ename}: {exc.evalue}", parameters=merged)
+    except Exception as exc:  # kernel died, timeout, unreadable notebook
+        return Result(path.stem, "failed", time.perf_counter() - start, str(out),
+                      error=f"{type(exc).__name__}: {exc}", parameters=merged)
+    finally:
+        if env_before is None:
+            os.environ.pop("DTLAB_HEADLESS", None)
+        else:
+            os.environ["DTLAB_HEADLESS"] = env_before
+
+
+def new_run_dir(root: str | os.PathLike = "runs") -> Path:
+    """A fresh ``runs/<YYYYmmdd-HHMMSS>/`` folder (suffixed if two runs start in one second)."""
+    base = Path(root) / time.strftime("%Y%m%d-%H%M%S")
+    path, i = base, 1
+    while path.exists():
+        path, i = Path(f"{base}-{i}"), i + 1
+    path.mkdir(parents=True)
+    return path
+
+
+def run(names: list[str] | None = None, params: dict[str, Any] | None = None, ci: bool = False,
+        root: str | os.PathLike = "runs", notebook_dir: str | os.PathLike | None = None,
+        stream: bool = True) -> tuple[Path, list[Result]]:
+    """Run the named notebooks (all when empty) into a new run folder; return it and the results.
+
+    Raises:
+        CourseError: unknown notebook, or a parameter that none of the chosen notebooks declares.
+    """
+    notebooks = resolve(list(names or []), find_notebooks(notebook_dir))
+    if not notebooks:
+        raise CourseError(f"no notebooks found in {notebook_dir or default_notebook_dir()}")
+    params = params or {}
+    if params:
+        declared = set().union(*(notebook_parameters(nb) for nb in notebooks))
+        unknown = sorted(set(params) - declared)
+        if unknown:
+            raise CourseError(f"parameter(s) {', '.join(unknown)} not declared by "
+                              f"{', '.join(nb.stem for nb in notebooks)}. Valid: {', '.join(sorted(declared))}")
+    run_dir = new_run_dir(root)
+    results = []
+    for nb in notebooks:
+        own = {k: v for k, v in params.items() if k in notebook_parameters(nb)}
+        print(f"[course] {nb.stem}: running{' (CI parameters)' if ci else ''} ...", flush=True)
+        result = run_one(nb, run_dir, own, ci=ci, stream=stream)
+        print(f"[course] {nb.stem}: {result.status} in {result.seconds:.1f} s"
+              + (f" — cell {result.failing_cell}: {result.error}" if result.error else ""), flush=True)
+        results.append(result)
+    write_summary(run_dir, results)
+    return run_dir, results
+
+
+def format_summary(results: list[Result]) -> str:
+    """A Markdown table: notebook, status, seconds, failing cell and error."""
+    rows = ["| notebook | status | seconds | failing cell | error |", "|---|---|---:|---:|---|"]
+    for r in results:
+        error = (r.error or "").replace("|", "\\|").splitlines()[0][:200] if r.error else ""
+        rows.append(f"| {r.notebook} | {r.status} | {r.seconds:.1f} | "
+                    f"{'' if r.failing_cell is None else r.failing_cell} | {error} |")
+    ok = sum(r.status == "ok" for r in results)
+    rows.append(f"\n{ok}/{len(results)} notebooks ok, {sum(r.seconds for r in results):.1f} s in total")
+    return "\n".join(rows)
+
+
+def write_summary(run_dir: Path, results: list[Result]) -> None:
+    """Write ``summary.json`` and ``summary.md`` into the run folder."""
+    (run_dir / "summary.json").write_text(json.dumps([asdict(r) for r in results], indent=2, default=str))
+    (run_dir / "summary.md").write_text(f"# Course run {run_dir.name}\n\n{format_summary(results)}\n")

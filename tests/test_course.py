@@ -1,0 +1,94 @@
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+from dtlab import cli, course
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def _notebook(path, params_src, body_src, ci=None):
+    nb = new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+                                "dtlab": {"ci_parameters": ci or {}}})
+    first = new_code_cell(params_src)
+    first.metadata["tags"] = ["parameters"]
+    nb.cells = [first, new_code_cell(body_src)]
+    nbformat.write(nb, path)
+
+
+@pytest.fixture
+def toy_course(tmp_path):
+    nbs = tmp_path / "notebooks"
+    nbs.mkdir()
+    _notebook(nbs / "00_ok.ipynb", "x = 1",
+              "import os\nopen('marker.txt', 'w').write('here')\nprint('double', x * 2, os.environ['DTLAB_HEADLESS'])",
+              ci={"x": 5})
+    _notebook(nbs / "01_bad.ipynb", "y = 1", "raise ValueError('boom')")
+    return nbs
+
+
+@pytest.mark.parametrize("items, expected", [
+    (["epochs=3", "lr=1e-3", "backend=gloo", "flag=True", "n=None", "sizes=[1, 2]", "s='a b'"],
+     {"epochs": 3, "lr": 1e-3, "backend": "gloo", "flag": True, "n": None, "sizes": [1, 2], "s": "a b"}),
+    (["expr=1+"], {"expr": "1+"}),
+])
+def test_parse_params(items, expected):
+    assert course.parse_params(items) == expected
+
+
+@pytest.mark.parametrize("bad", ["epochs", "=3", "1x=2", "a b=3"])
+def test_malformed_params_show_the_format(bad):
+    with pytest.raises(course.CourseError, match="Format: -p name=value"):
+        course.parse_params([bad])
+
+
+def test_resolve_by_number_stem_and_file_name():
+    available = course.find_notebooks(NOTEBOOKS)
+    first = available[0]
+    assert course.resolve(["00"], available) == [first]
+    assert course.resolve([first.stem, first.name], available) == [first, first]
+    assert course.resolve([], available) == available
+
+
+def test_unknown_notebook_lists_valid_names():
+    available = course.find_notebooks(NOTEBOOKS)
+    with pytest.raises(course.CourseError, match=f"Valid names: {available[0].stem}"):
+        course.resolve(["99_nothing"], available)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["course", "run", "99"], "unknown notebook '99'. Valid names: 00_environment"),
+    (["course", "run", "00", "-p", "epochs"], "Format: -p name=value"),
+    (["course", "run", "00", "-p", "no_such_knob=1"], "not declared by 00_environment. Valid: backend"),
+])
+def test_cli_bad_input_exits_2_with_a_clear_message(argv, message, capsys, tmp_path):
+    assert cli.main(argv + ["--runs", str(tmp_path), "--notebooks", str(NOTEBOOKS)]) == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [], "no run folder for rejected input"
+
+
+def test_run_executes_reports_failures_and_writes_a_summary(toy_course, tmp_path, capsys):
+    code = cli.main(["course", "run", "--notebooks", str(toy_course), "--runs", str(tmp_path / "runs"),
+                     "-p", "x=3", "-q"])
+    assert code == 1  # one notebook failed
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [(r["notebook"], r["status"]) for r in summary] == [("00_ok", "ok"), ("01_bad", "failed")]
+    assert summary[0]["parameters"] == {"x": 3}
+    assert summary[1]["failing_cell"] is not None and summary[1]["error"] == "ValueError: boom"
+    executed = nbformat.read(run_dir / "00_ok.ipynb", as_version=4)
+    assert "double 6 1" in "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
+    assert (run_dir / "marker.txt").read_text() == "here", "notebooks run inside their run folder"
+    assert "| 01_bad | failed |" in (run_dir / "summary.md").read_text()
+    out = capsys.readouterr().out
+    assert "1/2 notebooks ok" in out and "ValueError: boom" in out
+
+
+def test_ci_parameters_come_from_notebook_metadata(toy_course, tmp_path):
+    run_dir, (result,) = course.run(["00"], ci=True, root=tmp_path, notebook_dir=toy_course, stream=False)
+    assert result.status == "ok" and result.parameters == {"x": 5}
+    executed = nbformat.read(run_dir / "00_ok.ipynb", as_version=4)
+    assert "double 10" in "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
