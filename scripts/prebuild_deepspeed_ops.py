@@ -28,7 +28,7 @@ def main() -> int:
             print(f"[deepspeed] {name}: not used on the {acc._name} accelerator, skipped", flush=True)
             continue
         t = time.perf_counter()
-        print(f"[deepspeed] {name}: loading (compiles on first use) ...", flush=True)
+        print(f"[deepspeed] {name}: loading (compiles the first time only, ~1 min) ...", flush=True)
         builder.load(verbose=False)
         print(f"[deepspeed] {name}: ready in {time.perf_counter() - t:.1f} s", flush=True)
     return 0

@@ -1,0 +1,59 @@
+"""The project's own rules: clean notebooks, notebook conventions, lint, and CI = the README's command."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_stored_without_outputs(path):
+    nb = json.loads(path.read_text())
+    dirty = [i for i, c in enumerate(nb["cells"])
+             if c["cell_type"] == "code" and (c["outputs"] or c["execution_count"])]
+    assert not dirty, f"{path.name}: cells {dirty} carry outputs; clear them before committing"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_follows_the_course_conventions(path):
+    nb = json.loads(path.read_text())
+    cells = nb["cells"]
+    code = [c for c in cells if c["cell_type"] == "code"]
+    params = code[0]
+    assert "parameters" in params["metadata"].get("tags", []), "first code cell is tagged 'parameters'"
+    src = "".join(params["source"])
+    names = re.findall(r"^(\w+)\s*=", src, flags=re.M)
+    widget_call = re.search(r"apply_databricks_widgets\(globals\(\), \[(.*?)\]\)", src, flags=re.S)
+    assert widget_call, "the parameters cell reads Databricks widgets"
+    assert sorted(re.findall(r'"(\w+)"', widget_call.group(1))) == sorted(names), \
+        "every parameter can be set by a Databricks widget"
+    ci = nb["metadata"]["dtlab"]["ci_parameters"]
+    assert set(ci) <= set(names), f"CI parameters {set(ci) - set(names)} are not declared"
+    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    for heading in ("What you will learn", "Pitfall", "Exercises", "Claims this notebook makes"):
+        assert heading in text, f"{path.name} lacks a '{heading}' section"
+    assert "assert" in "".join(code[-1]["source"]), "the last cell asserts the notebook's claims"
+    for i, c in enumerate(cells[1:], 1):  # every code cell is preceded by a sentence of why
+        if c["cell_type"] == "code" and cells[i - 1]["cell_type"] == "code":
+            assert i - 1 > 0 and cells[i - 2]["cell_type"] == "markdown", \
+                f"{path.name}: cells {i - 1} and {i} follow a code cell without explanation"
+
+
+def test_ruff_passes_on_package_tests_and_notebooks():
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "make test" in readme and "make course" in readme
+    commands = [line for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert commands[-1].strip() == "make test"
