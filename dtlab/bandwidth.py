@@ -1,0 +1,85 @@
+"""How fast do collectives move data? Timing, and the nccl-tests definitions of bandwidth.
+
+Two numbers, as NVIDIA's nccl-tests report them:
+
+* **algbw** (algorithm bandwidth) = S / t: the message size S divided by the time of the call.
+* **busbw** (bus bandwidth) = algbw x a factor that depends on the collective and the world size
+  N. It counts the bytes each rank must really move on the busiest link, so it can be compared
+  with the hardware's link speed whatever N is. For all-reduce the factor is 2(N-1)/N: a ring
+  all-reduce sends every byte around the ring twice (reduce-scatter, then all-gather), less the
+  1/N each rank already holds.
+
+Here S is the size of the tensor passed to ``all_reduce`` / ``broadcast``, the *output* of
+``all_gather`` and the *input* of ``reduce_scatter``, as in nccl-tests.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+#: busbw / algbw for each collective on N ranks.
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+
+def bus_bandwidth(op: str, world_size: int, algbw: float) -> float:
+    """busbw from algbw for collective ``op`` on ``world_size`` ranks (same unit as ``algbw``)."""
+    if op not in BUS_FACTOR:
+        raise ValueError(f"unknown collective {op!r}; known: {', '.join(BUS_FACTOR)}")
+    return algbw * BUS_FACTOR[op](world_size)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_all_reduce(nbytes: int, device: torch.device | str = "cpu", iters: int = 5, warmup: int = 2) -> float:
+    """Median seconds of one ``all_reduce`` of ``nbytes`` (float32) on the current process group.
+
+    Call it on every rank (it is itself a collective). Each iteration starts after a barrier and
+    counts the slowest rank's time, since a collective is only done when every rank is done.
+    """
+    device = torch.device(device)
+    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    for _ in range(warmup):
+        dist.all_reduce(x)
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        _sync(device)
+        elapsed = torch.tensor([time.perf_counter() - start], device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return statistics.median(times)
+
+
+def memcpy_bandwidth(nbytes: int = 256 * 2**20, device: torch.device | str = "cpu", iters: int = 5) -> float:
+    """Bytes per second of copying ``nbytes`` within one device's memory (best of ``iters``).
+
+    The ceiling for collectives between processes on one machine: they can never beat a plain copy.
+    """
+    device = torch.device(device)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best

@@ -1,0 +1,115 @@
+import os
+import time
+
+import psutil
+import pytest
+
+from dtlab import launch
+
+# Functions made the way a notebook makes them: they live in __main__, which no child can import,
+# so they must travel by value.
+NOTEBOOK_CODE = '''
+def notebook_fn(base):
+    import os
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = __import__("torch").tensor([float(dist.get_rank() + base)])
+    dist.all_reduce(t)
+    print("hello from", dist.get_rank())
+    dist.destroy_process_group()
+    return {"rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]), "sum": t.item(),
+            "threads": __import__("torch").get_num_threads()}
+'''
+
+
+def _notebook_function():
+    namespace = {"__name__": "__main__"}
+    exec(compile(NOTEBOOK_CODE, "<notebook cell>", "exec"), namespace)
+    return namespace["notebook_fn"]
+
+
+def _workers():
+    """Live worker processes: children of the forkserver that launch.run forks them from."""
+    servers = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+    return [c for s in servers for c in s.children() if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def _no_workers_left():
+    for _ in range(50):
+        if not _workers():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_runs_a_notebook_function_and_returns_results_in_rank_order(capfd):
+    fn = _notebook_function()
+    assert fn.__module__ == "__main__"
+    results = launch.run(fn, 10, nprocs=3)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert all(r["world"] == 3 and r["sum"] == 33.0 and r["threads"] == 1 for r in results)
+    out = capfd.readouterr().out
+    assert "[rank 0] hello from 0" in out and "[rank 2] hello from 2" in out
+
+
+def test_a_closure_and_keyword_arguments_travel_too():
+    offset = 5
+    assert launch.run(lambda x, scale=1: (int(os.environ["RANK"]) + offset + x) * scale, 1, scale=2,
+                      nprocs=2) == [12, 14]
+
+
+def _raise_on_rank_1():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise ValueError("bad batch on purpose")
+    dist.barrier()  # rank 0 waits here for a peer that will never come
+    return "unreachable"
+
+
+def test_a_raising_rank_is_named_with_its_traceback_and_no_process_survives():
+    start = time.monotonic()
+    with pytest.raises(launch.WorkerError, match="rank 1 failed: ValueError: bad batch on purpose") as info:
+        launch.run(_raise_on_rank_1, nprocs=2, timeout=60)
+    assert info.value.rank == 1 and "_raise_on_rank_1" in info.value.remote_traceback
+    assert time.monotonic() - start < 30, "the other rank was stopped, not waited for"
+    assert _no_workers_left()
+
+
+def _hang_on_rank_0():
+    if os.environ["RANK"] == "0":
+        time.sleep(3600)
+    return "done"
+
+
+def test_a_hanging_rank_times_out_naming_it():
+    with pytest.raises(launch.LaunchTimeout, match=r"ranks \[0\] had not finished after 3 s") as info:
+        launch.run(_hang_on_rank_0, nprocs=2, timeout=3)
+    assert info.value.pending == [0]
+    assert _no_workers_left()
+
+
+def _exit_hard():
+    if os.environ["RANK"] == "1":
+        os._exit(7)
+    time.sleep(3600)
+
+
+def test_a_rank_that_dies_without_raising_is_reported():
+    with pytest.raises(launch.WorkerError, match="rank 1 failed: process exited with code 7"):
+        launch.run(_exit_hard, nprocs=2, timeout=60)
+    assert _no_workers_left()
+
+
+def test_an_unpicklable_function_is_refused_before_starting():
+    import threading
+
+    lock = threading.Lock()
+    with pytest.raises(launch.LaunchError, match="cannot be sent to the workers.*inside the function"):
+        launch.run(lambda: lock.locked(), nprocs=2)
+
+
+def test_too_many_processes_is_refused():
+    with pytest.raises(ValueError, match="nprocs="):
+        launch.run(print, nprocs=10_000)
