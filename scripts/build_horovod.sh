@@ -14,21 +14,20 @@ set -euo pipefail
 PY=${1:-.venv/bin/python}
 VERSION=0.28.1
 say() { printf '[horovod] %s\n' "$*"; }
-pip_q() { "$PY" -m pip --quiet --disable-pip-version-check "$@" 2>&1 \
-            | sed '/is neither a file nor a directory/d'; }
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 if "$PY" -c "import horovod, horovod.torch as h, sys; sys.exit(not (horovod.__version__ == '$VERSION' and h.gloo_built()))" 2>/dev/null; then
   say "horovod $VERSION with PyTorch + Gloo already installed"
   exit 0
 fi
 
-key=$("$PY" -c "import sys, torch; print(f'py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}')")
-cache="${DTLAB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dtlab}/wheels/$key"
+cache=$(wheel_cache)
 mkdir -p "$cache"
 wheel=$(ls "$cache"/horovod-$VERSION-*.whl 2>/dev/null | head -n 1 || true)
 
 if [ -z "$wheel" ]; then
-  say "building horovod $VERSION for $key (about 4 minutes on 2 cores; cached in $cache)"
+  say "building horovod $VERSION (about 2-4 minutes on 2 cores; cached in $cache)"
   t=$SECONDS
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT

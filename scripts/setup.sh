@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up everything the course needs, idempotently: .venv with requirements.txt and dtlab,
-# Horovod (built once, cached), DeepSpeed's CPU ops (compiled once, cached), a Jupyter kernel.
+# Horovod and DeepSpeed with its C++ ops (each built once, cached as wheels), a Jupyter kernel.
 # Called by `make setup`, and so by `make course` and `make test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,9 +8,8 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 say() { printf '[setup] %s\n' "$*"; }
-# pip, quiet, minus one harmless warning some machines' pip config prints for every package.
-pip_q() { "$PY" -m pip --quiet --disable-pip-version-check "$@" 2>&1 \
-            | sed '/is neither a file nor a directory/d'; }
+# shellcheck source=scripts/lib.sh
+source scripts/lib.sh
 start=$SECONDS
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -35,7 +34,7 @@ else
 fi
 
 bash scripts/build_horovod.sh "$PY"
-"$PY" scripts/prebuild_deepspeed_ops.py
+bash scripts/build_deepspeed.sh "$PY"
 
 if [ ! -f "$VENV/share/jupyter/kernels/python3/kernel.json" ]; then
   say "registering the Jupyter kernel 'python3' in $VENV"

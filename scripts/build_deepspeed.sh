@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Install DeepSpeed 0.19.8 with its C++ ops compiled in, so no lesson stalls on a JIT compile.
+#
+# The PyPI package compiles its ops the first time they are used, in every new environment:
+# the shared-memory communication op at init_distributed (~30-50 s on 2 cores), fused_adam for
+# "optimizer": {"type": "Adam"} (~50-90 s) and cpu_adam for optimizer offload (~40-90 s).
+# Built into the wheel here once (~4.5 minutes), cached outside the repo per Python/torch pair.
+# On a CUDA machine (nvcc present) the same script builds the CUDA fused_adam and cpu_adam.
+set -euo pipefail
+PY=${1:-.venv/bin/python}
+VERSION=0.19.8
+say() { printf '[deepspeed] %s\n' "$*"; }
+# shellcheck source=scripts/lib.sh
+source "$(dirname "$0")/lib.sh"
+
+if "$PY" -c "import torch; print(int(torch.cuda.is_available()))" | grep -q 1; then
+  OPS="cpu_adam fused_adam"; flags="DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1"
+else
+  OPS="cpu_adam fused_adam deepspeed_shm_comm"; flags="DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_SHM_COMM=1"
+fi
+have_ops() {
+  "$PY" - "$OPS" >/dev/null 2>&1 <<'PY'
+import sys
+from deepspeed.git_version_info import installed_ops, version
+sys.exit(not (version == "0.19.8" and all(installed_ops.get(op) for op in sys.argv[1].split())))
+PY
+}
+if have_ops; then
+  say "deepspeed $VERSION with prebuilt ops ($OPS) already installed"
+  exit 0
+fi
+
+cache=$(wheel_cache)
+mkdir -p "$cache"
+wheel=$(ls "$cache"/deepspeed-$VERSION-*.whl 2>/dev/null | head -n 1 || true)
+if [ -z "$wheel" ]; then
+  say "building deepspeed $VERSION with ops $OPS (about 5 minutes on 2 cores; cached in $cache)"
+  t=$SECONDS
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  export PATH="$(dirname "$PY"):$PATH"   # the venv's ninja
+  env DS_BUILD_OPS=0 $flags MAX_JOBS=${MAX_JOBS:-2} \
+    "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
+          --no-binary deepspeed --no-cache-dir "deepspeed==$VERSION" -w "$work/dist" > "$work/build.log" 2>&1 \
+    || { tail -n 40 "$work/build.log"; say "build failed (full log above)"; exit 1; }
+  cp "$work"/dist/deepspeed-*.whl "$cache/"
+  wheel=$(ls "$cache"/deepspeed-$VERSION-*.whl | head -n 1)
+  say "built in $((SECONDS - t)) s: $wheel"
+else
+  say "using cached wheel $wheel"
+fi
+pip_q install --force-reinstall --no-deps "$wheel"
+have_ops || { say "installed wheel lacks the ops $OPS"; exit 1; }
+say "installed deepspeed $VERSION with prebuilt ops ($OPS)"
