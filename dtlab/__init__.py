@@ -9,6 +9,10 @@ One module per concept; import the one you need:
     dtlab.checkpoint   atomic save, safe load, training state with RNG, resume
     dtlab.measure      StepTimer, throughput, profiler breakdown by training phase
     dtlab.live         LiveView: progress + loss curve in Jupyter, plain lines headless
+    dtlab.launch       run a function (even one defined in a notebook) on N processes
+    dtlab.data_parallel  DDP from scratch: per-tensor and bucketed gradient all-reduce
+    dtlab.bandwidth    collective timing, algbw/busbw, memory-copy ceiling
+    dtlab.spark        the Databricks Spark session, or a quiet local one
     dtlab.notebook     notebook parameters from Databricks widgets
     dtlab.course       run the course notebooks headless (``dtlab course run``)
 

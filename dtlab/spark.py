@@ -1,0 +1,79 @@
+"""A Spark session for the course: the cluster's own on Databricks, a quiet local one elsewhere.
+
+``session()`` returns the active session when there is one (on Databricks, ``spark`` already
+exists and must be reused), and otherwise starts ``local[cores]`` with what a laptop needs:
+
+* the workers run this very Python (``PYSPARK_PYTHON``), so they see the same packages;
+* the JVM logs only errors (a log4j2 file at level ERROR) and binds to 127.0.0.1;
+* the web UI is off;
+* with ``gpus > 0``, the driver advertises that many GPUs through a discovery script, which
+  ``TorchDistributor(local_mode=True, use_gpu=True)`` requires on a non-Databricks GPU machine.
+
+Spark code in the course must also run on Databricks Runtime 15.4 LTS ML (Spark 3.5); nothing
+here uses a newer API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+_LOG4J = """\
+rootLogger.level = error
+rootLogger.appenderRef.stdout.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
+"""
+
+
+def _write(name: str, text: str, executable: bool = False) -> Path:
+    folder = Path(tempfile.gettempdir()) / f"dtlab-spark-{os.getuid()}"
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    path.write_text(text)
+    if executable:
+        path.chmod(0o755)
+    return path
+
+
+def gpu_discovery_script(gpus: int) -> Path:
+    """A script that prints Spark's resource JSON for GPUs ``0..gpus-1`` (used with ``gpus > 0``)."""
+    payload = json.dumps({"name": "gpu", "addresses": [str(i) for i in range(gpus)]})
+    return _write("discover_gpus.sh", f"#!/bin/sh\necho '{payload}'\n", executable=True)
+
+
+def session(cores: int | None = None, gpus: int = 0, app_name: str = "dtlab-course"):
+    """The active SparkSession, or a new quiet ``local[cores]`` one (``cores`` default: all cores).
+
+    Args:
+        cores: task slots; TorchDistributor's barrier mode (``local_mode=False``) needs one per process.
+        gpus: GPUs the local driver advertises (0 on a CPU machine). Ignored when a session exists.
+    """
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
+    cores = cores or os.cpu_count() or 2
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    log4j = _write("log4j2.properties", _LOG4J)
+    builder = (SparkSession.builder.master(f"local[{cores}]").appName(app_name)
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.shuffle.partitions", str(cores))
+               .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{log4j}")
+               .config("spark.executor.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{log4j}"))
+    if gpus:
+        builder = (builder.config("spark.driver.resource.gpu.amount", str(gpus))
+                   .config("spark.driver.resource.gpu.discoveryScript", str(gpu_discovery_script(gpus))))
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
