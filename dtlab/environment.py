@@ -126,7 +126,9 @@ def horovod_status() -> dict:
     Returns a dict with ``installed`` (bool), ``version``, ``gloo``, ``mpi``, ``nccl`` and, when
     something is missing, ``problem`` and ``fix`` (the command that repairs it).
     """
-    fix = "make setup   (builds Horovod 0.28.1 with PyTorch + Gloo; see scripts/build_horovod.sh)"
+    fix = ("run `make setup` (builds Horovod 0.28.1 with PyTorch + Gloo: scripts/build_horovod.sh); on "
+           "Databricks use Runtime 15.4 LTS ML, the last with Horovod preinstalled, or move to "
+           "TorchDistributor (notebook 04)")
     try:
         import horovod
     except ImportError:
@@ -139,6 +141,14 @@ def horovod_status() -> dict:
                 "fix": fix}
     return {"installed": True, "version": horovod.__version__, "gloo": bool(hvd.gloo_built()),
             "mpi": bool(hvd.mpi_built()), "nccl": bool(hvd.nccl_built())}
+
+
+def require_horovod() -> dict:
+    """``horovod_status()`` when Horovod works with PyTorch; otherwise a RuntimeError naming the fix."""
+    status = horovod_status()
+    if not status["installed"]:
+        raise RuntimeError(f"{status['problem']}. Fix: {status['fix']}.")
+    return status
 
 
 def java_version() -> str | None:

@@ -74,8 +74,16 @@ def test_missing_horovod_is_reported_with_the_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "horovod", None)  # makes `import horovod` raise ImportError
     status = environment.horovod_status()
     assert status == {"installed": False, "problem": "horovod is not installed", "fix": status["fix"]}
-    assert "make setup" in status["fix"]
+    assert "make setup" in status["fix"] and "15.4 LTS ML" in status["fix"]
     assert "MISSING" in environment.format_report({**environment.report(), "horovod": status})
+    with pytest.raises(RuntimeError, match="horovod is not installed. Fix: run `make setup`"):
+        environment.require_horovod()
+
+
+def test_horovod_without_pytorch_support_is_reported(monkeypatch):
+    monkeypatch.setitem(sys.modules, "horovod.torch", None)  # horovod imports, horovod.torch does not
+    status = environment.horovod_status()
+    assert not status["installed"] and "not built for PyTorch" in status["problem"]
 
 
 def test_java_is_present_for_spark():

@@ -1,0 +1,73 @@
+"""Horovod must train the same weights as one process and as DDP (same model, data and steps)."""
+
+import os
+from pathlib import Path
+
+import horovod
+import pytest
+import torch
+from test_data_parallel import (
+    LOCAL_BATCH,
+    LR,
+    STEPS,
+    TOL,
+    _perturbed,
+    loss_of,
+    make_batches,
+    make_model,
+    max_diff,
+    reference,
+    train_distributed,
+)
+
+from dtlab.launch import run
+
+
+@pytest.fixture(autouse=True)
+def workers_can_import_tests(monkeypatch):
+    # horovod.run starts fresh interpreters; they unpickle these test functions by module name.
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+
+
+def train_horovod(kind, fp16=False):
+    import horovod.torch as hvd
+
+    hvd.init()
+    rank, world = hvd.rank(), hvd.size()
+    torch.manual_seed(100 + rank)
+    model = make_model(kind) if rank == 0 else _perturbed(make_model(kind))  # broadcast must fix this
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=[(n, p) for n, p in model.named_parameters()
+                                                          if p.requires_grad],
+                                   compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    xs, ys = make_batches(kind, LOCAL_BATCH * world)
+    rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss_of(model, kind, xs[step][rows], ys[step][rows]).backward()
+        opt.step()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.parametrize("kind", ["mlp", "tied"])
+def test_horovod_equals_one_process_and_ddp(kind):
+    results = horovod.run(train_horovod, args=(kind,), num_proc=2, hosts="localhost:2", use_gloo=True)
+    ddp = run(train_distributed, kind, "ddp", nprocs=2)[0]
+    ref = reference(kind, 2)
+    for r in results:
+        assert max_diff(r["state"], ref) < TOL
+    assert max_diff(results[0]["state"], ddp["state"]) < TOL
+
+
+def test_fp16_compression_stays_close_but_is_not_exact():
+    exact = horovod.run(train_horovod, args=("mlp",), num_proc=2, hosts="localhost:2", use_gloo=True)[0]
+    fp16 = horovod.run(train_horovod, args=("mlp", True), num_proc=2, hosts="localhost:2", use_gloo=True)[0]
+    assert 0 < max_diff(fp16["state"], exact["state"]) < 1e-2
+
+
+def test_more_processes_than_slots_is_refused():
+    with pytest.raises(ValueError, match="more processes"):
+        horovod.run(train_horovod, args=("mlp",), num_proc=3, hosts="localhost:2", use_gloo=True)
