@@ -1,6 +1,8 @@
 """The ``dtlab`` command line.
 
     dtlab env [--json]                          what this machine has, and the course's plan for it
+    dtlab memory --params 7e9 --gpus 16 --gpu-mem-gb 24
+                                                model-state memory per GPU for DDP and ZeRO 1-3
     dtlab course list                           the notebooks, in order, with their parameters
     dtlab course run [NOTEBOOK ...] [-p name=value ...] [--ci] [--runs DIR]
                                                 run notebooks headless into runs/<timestamp>/
@@ -20,6 +22,13 @@ def _env(args: argparse.Namespace) -> int:
 
     info = environment.report()
     print(json.dumps(info, indent=2) if args.json else environment.format_report(info))
+    return 0
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from dtlab import memory
+
+    print(memory.format_table(args.params, args.gpus, args.gpu_mem_gb, args.headroom, args.cpu_mem_gb_per_gpu))
     return 0
 
 
@@ -55,6 +64,15 @@ def parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="report GPUs, backends, library versions and the course's plan")
     env.add_argument("--json", action="store_true", help="print the report as JSON")
     env.set_defaults(func=_env)
+
+    mem = sub.add_parser("memory", help="per-GPU memory of DDP and ZeRO stages, and which fits")
+    mem.add_argument("--params", type=float, required=True, help="model parameters, e.g. 7e9")
+    mem.add_argument("--gpus", type=int, required=True, help="total GPUs, e.g. 16")
+    mem.add_argument("--gpu-mem-gb", type=float, default=24.0, help="memory per GPU (default 24: A10G)")
+    mem.add_argument("--cpu-mem-gb-per-gpu", type=float, default=48.0,
+                     help="CPU memory per GPU for offload (default 48: g5.12xlarge)")
+    mem.add_argument("--headroom", type=float, default=0.8, help="share of memory for model states")
+    mem.set_defaults(func=_memory)
 
     course = sub.add_parser("course", help="list or run the course notebooks")
     csub = course.add_subparsers(dest="course_command", required=True)

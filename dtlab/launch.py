@@ -141,6 +141,7 @@ def _finish_process_group() -> None:
 
 
 def _stop(procs: list) -> None:
+    procs = [p for p in procs if p.pid is not None]  # only those that started
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -200,7 +201,14 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
     results: dict[int, Any] = {}
     try:
         for p in procs:
-            p.start()
+            try:
+                p.start()
+            except RuntimeError as exc:
+                if "bootstrapping phase" not in str(exc):
+                    raise
+                raise LaunchError("run() was called while a script's module was being imported by a worker. "
+                                  "Fix: in a script, call it under `if __name__ == \"__main__\":` (notebooks "
+                                  "need nothing).") from None
         deadline = time.monotonic() + timeout
         while len(results) < nprocs:
             remaining = deadline - time.monotonic()

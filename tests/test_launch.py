@@ -113,3 +113,18 @@ def test_an_unpicklable_function_is_refused_before_starting():
 def test_too_many_processes_is_refused():
     with pytest.raises(ValueError, match="nprocs="):
         launch.run(print, nprocs=10_000)
+
+
+def test_a_script_without_a_main_guard_gets_the_fix(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text("from dtlab.launch import run\nprint(run(abs, -1, nprocs=2))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "if __name__ == \"__main__\":" in out.stderr and "LaunchError" in out.stderr
+    guarded = tmp_path / "guard.py"
+    guarded.write_text("from dtlab.launch import run\nif __name__ == '__main__':\n    print(run(abs, -1, nprocs=2))\n")
+    out = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[1, 1]", out.stderr

@@ -1,0 +1,135 @@
+"""ZeRO: shard what data parallelism replicates. Stage 1 from scratch, and a ruler for DeepSpeed's.
+
+Plain data parallelism keeps a full copy of everything on every rank: parameters, gradients and
+the optimizer state (for Adam: two moments per parameter, plus an fp32 master copy under mixed
+precision — most of the memory). ZeRO (Rajbhandari et al., 2019) splits them N ways:
+
+* stage 1: optimizer state,  * stage 2: + gradients,  * stage 3: + parameters.
+
+``ShardedOptimizer`` is stage 1 in about a hundred lines, constructed like
+``torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class, **defaults)``: every
+parameter is owned by one rank; each rank keeps optimizer state for, and steps, only the
+parameters it owns, then broadcasts them so every rank ends the step with the same weights.
+Gradients must already be averaged (wrap the model in DDP first).
+
+``held_elements(engine)`` reads how many elements a DeepSpeed engine's rank really holds in each
+category, from the engine's own partitions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+
+class ShardedOptimizer(Optimizer):
+    """ZeRO stage 1: optimizer state split across ranks; parameters stay replicated.
+
+    Args:
+        params: parameters or parameter-group dicts, as for any torch optimizer.
+        optimizer_class: the real optimizer each rank runs on its shard (e.g. ``torch.optim.AdamW``).
+        process_group: the group to shard over (default: the whole world).
+        **defaults: hyperparameters for ``optimizer_class`` (``lr``, ``weight_decay``, ...).
+
+    Parameters are assigned to ranks greedily, largest first, to the rank holding the fewest
+    elements so far, so shards are close to equal. Changing ``param_groups[i]["lr"]`` (as an LR
+    scheduler does) is honoured at the next ``step``.
+    """
+
+    def __init__(self, params: Any, optimizer_class: type[Optimizer], process_group: Any = None, **defaults: Any):
+        if not dist.is_initialized():
+            raise RuntimeError("create the ShardedOptimizer after dist.init_process_group(...)")
+        self.group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.optimizer_class = optimizer_class
+        self._load = [0] * self.world_size  # elements owned by each rank
+        self.owner: dict[torch.Tensor, int] = {}
+        self.local: Optimizer | None = None
+        self._local_groups: list[int] = []  # global index of each local group
+        super().__init__(params, defaults)  # calls add_param_group for each group
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (e.g. unfrozen layers): its parameters are spread over the ranks too."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        mine = []
+        for p in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
+            owner = min(range(self.world_size), key=lambda r: self._load[r])
+            self._load[owner] += p.numel()
+            self.owner[p] = owner
+            if owner == self.rank:
+                mine.append(p)
+        if not mine:
+            return
+        local_group = {**{k: v for k, v in group.items() if k != "params"}, "params": mine}
+        if self.local is None:
+            self.local = self.optimizer_class([local_group])
+        else:
+            self.local.add_param_group(local_group)
+        self._local_groups.append(len(self.param_groups) - 1)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Step this rank's shard, then broadcast every parameter from its owner."""
+        loss = None
+        if self.local is not None:
+            for local_group, i in zip(self.local.param_groups, self._local_groups):
+                local_group.update({k: v for k, v in self.param_groups[i].items() if k != "params"})
+            loss = self.local.step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                src = self.owner[p]
+                dist.broadcast(p, src=dist.get_global_rank(self.group, src) if self.group else src,
+                               group=self.group)
+        return loss
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank (all tensors in its shard's state)."""
+        if self.local is None:
+            return 0
+        return sum(t.numel() * t.element_size() for s in self.local.state.values()
+                   for t in s.values() if torch.is_tensor(t))
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard only (consolidating the shards is left out for brevity)."""
+        return self.local.state_dict() if self.local is not None else {}
+
+
+def optimizer_state_bytes(optimizer: Optimizer) -> int:
+    """Bytes of tensor state an ordinary torch optimizer holds (e.g. Adam's two moments)."""
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+               if torch.is_tensor(t))
+
+
+def held_elements(engine: Any) -> dict[str, int]:
+    """Elements this rank of a DeepSpeed engine holds: parameters, gradients, optimizer state.
+
+    Read gradients after the ``engine.backward(loss)`` that ends an accumulation cycle, before
+    ``engine.step()``; read optimizer state after a step (Adam creates its moments at the first
+    one). Returns ``{"params", "grads", "optimizer_moments", "master_weights"}`` (element counts;
+    DeepSpeed pads shards to an alignment, so a count can exceed the exact share by a few).
+    """
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    params = list(engine.module.parameters())
+    held = {"params": sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)}
+
+    grads = sum(p.grad.numel() for p in params if p.grad is not None and p.grad.numel() > 0)
+    shard = getattr(opt, "grad_partitions_flat_buffer", None)  # ZeRO-3: this rank's gradient shard
+    if torch.is_tensor(shard):
+        grads += shard.numel()
+    else:  # ZeRO-1/2: the reduced gradient shard, per parameter group
+        for tensors in (getattr(opt, "averaged_gradients", None) or {}).values():
+            grads += sum(t.numel() for t in tensors or [] if t is not None)
+    held["grads"] = grads
+
+    held["optimizer_moments"] = sum(t.numel() for s in inner.state.values() for t in s.values()
+                                    if torch.is_tensor(t) and t.dim() > 0)
+    masters = (getattr(opt, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+               or getattr(opt, "fp32_partitioned_groups_flat", None))  # ZeRO-3
+    held["master_weights"] = sum(t.numel() for t in masters) if masters else 0
+    return held

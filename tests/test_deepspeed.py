@@ -1,0 +1,90 @@
+"""DeepSpeed ZeRO on 2 CPU processes: same weights as DDP, and per-rank partitions as the model says."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtlab.launch import run
+
+STEPS, LOCAL_BATCH = 3, 8
+TOL = 1e-5
+
+
+def _model():
+    from dtlab import models
+
+    torch.manual_seed(0)
+    return models.MLP(16, 32, 4, depth=2)
+
+
+def _batches(world):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(STEPS, LOCAL_BATCH * world, 16, generator=g), torch.randint(0, 4, (STEPS, LOCAL_BATCH * world),
+                                                                                      generator=g)
+
+
+def train(stage):
+    """stage None: torch DDP with torch AdamW; 0-3: DeepSpeed with its AdamW."""
+    import logging
+
+    import torch.distributed as dist
+
+    from dtlab import ds_config
+    from dtlab.zero import held_elements
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    xs, ys = _batches(world)
+    rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    held = None
+    if stage is None:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for step in range(STEPS):
+            opt.zero_grad()
+            F.cross_entropy(ddp(xs[step][rows]), ys[step][rows]).backward()
+            opt.step()
+    else:
+        import deepspeed
+        from deepspeed.utils import logger
+
+        logger.setLevel(logging.ERROR)
+        cfg = ds_config.build(stage=stage, micro_batch=LOCAL_BATCH, world_size=world, lr=1e-2, weight_decay=0.1)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        for step in range(STEPS):
+            engine.backward(F.cross_entropy(engine(xs[step][rows]), ys[step][rows]))
+            grads = held_elements(engine)["grads"]
+            engine.step()
+        held = {**held_elements(engine), "grads": grads}
+        if stage == 3:  # gather the shards to compare full weights
+            with deepspeed.zero.GatheredParameters(list(model.parameters())):
+                state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            dist.destroy_process_group()
+            return {"state": state, "held": held}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dist.destroy_process_group()
+    return {"state": state, "held": held}
+
+
+@pytest.fixture(scope="module")
+def ddp_result():
+    return run(train, None, nprocs=2, timeout=300)[0]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stage_trains_the_same_weights_as_ddp_and_holds_what_the_model_says(stage, ddp_result):
+    results = run(train, stage, nprocs=2, timeout=300)
+    for r in results:
+        diff = max((r["state"][k] - ddp_result["state"][k]).abs().max().item() for k in r["state"])
+        assert diff < TOL, f"stage {stage} drifted from DDP by {diff:.2e}"
+
+    psi, n = sum(p.numel() for p in _model().parameters()), 2
+    pad = 8  # DeepSpeed pads each shard to an alignment: allow a few elements
+    for r in results:
+        h = r["held"]
+        assert h["params"] == pytest.approx(psi / n if stage == 3 else psi, abs=pad)
+        assert h["optimizer_moments"] == pytest.approx(2 * psi / (n if stage >= 1 else 1), abs=2 * pad)
+        assert h["master_weights"] == pytest.approx(psi / n if stage >= 1 else 0, abs=pad)
+        # At the end of an accumulation cycle DeepSpeed's stages 1-3 keep only their reduced shard.
+        assert h["grads"] == pytest.approx(psi if stage == 0 else psi / n, abs=pad)

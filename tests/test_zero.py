@@ -1,0 +1,96 @@
+"""ZeRO-1 from scratch: sharding the optimizer state must not change a single step's result."""
+
+import pytest
+import torch
+from test_data_parallel import LOCAL_BATCH, STEPS, TOL, loss_of, make_batches, make_model, max_diff
+
+from dtlab.launch import run
+
+ADAMW = dict(lr=1e-2, weight_decay=0.1)
+
+
+def reference(kind, world, split_groups=False):
+    model = make_model(kind)
+    opt = torch.optim.AdamW(_groups(model, split_groups), **ADAMW)
+    xs, ys = make_batches(kind, LOCAL_BATCH * world)
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss_of(model, kind, xs[step], ys[step]).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _groups(model, split):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not split:
+        return params
+    return [{"params": params[:2]}, {"params": params[2:], "lr": 3e-3}]
+
+
+def train_sharded(kind, which="ours", split_groups=False, add_later=False):
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dtlab.zero import ShardedOptimizer, optimizer_state_bytes
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(kind)
+    ddp = DDP(model)  # averages the gradients; the sharded optimizer only shards the update
+    groups = _groups(model, split_groups)
+    if which == "ours":
+        opt = ShardedOptimizer(groups[:1] if add_later else groups, torch.optim.AdamW, **ADAMW)
+        if add_later:
+            opt.add_param_group(groups[1])
+    elif which == "torch":
+        opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **ADAMW)
+    else:
+        opt = torch.optim.AdamW(groups, **ADAMW)
+    xs, ys = make_batches(kind, LOCAL_BATCH * world)
+    rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss_of(ddp, kind, xs[step][rows], ys[step][rows]).backward()
+        opt.step()
+    if which == "ours":
+        state_bytes = opt.state_bytes()
+    elif which == "torch":
+        state_bytes = optimizer_state_bytes(opt.optim)
+    else:
+        state_bytes = optimizer_state_bytes(opt)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dist.destroy_process_group()
+    return {"state": state, "state_bytes": state_bytes}
+
+
+@pytest.mark.parametrize("kind", ["mlp", "tied"])
+def test_sharded_adamw_equals_unsharded_adamw(kind):
+    ref = reference(kind, 2)
+    ours = run(train_sharded, kind, nprocs=2)
+    torch_zero = run(train_sharded, kind, "torch", nprocs=2)
+    for r in ours + torch_zero:
+        assert max_diff(r["state"], ref) < TOL
+    assert max_diff(ours[0]["state"], ours[1]["state"]) == 0, "every rank ends the step with the same weights"
+
+
+def test_param_groups_and_add_param_group():
+    ref = reference("mlp", 2, split_groups=True)
+    for add_later in (False, True):
+        results = run(train_sharded, "mlp", "ours", True, add_later, nprocs=2)
+        assert max_diff(results[0]["state"], ref) < TOL
+
+
+def test_each_rank_holds_about_half_the_optimizer_state():
+    full = run(train_sharded, "mlp", "plain", nprocs=2)[0]["state_bytes"]
+    shards = [r["state_bytes"] for r in run(train_sharded, "mlp", nprocs=2)]
+    largest_tensor = max(p.numel() for p in make_model("mlp").parameters()) * 4 * 2  # two fp32 moments
+    assert sum(shards) == pytest.approx(full, abs=64)  # per-parameter "step" counters aside
+    assert max(shards) <= full / 2 + largest_tensor
+
+
+def test_creating_it_before_init_process_group_names_the_fix():
+    from dtlab.zero import ShardedOptimizer
+
+    with pytest.raises(RuntimeError, match="after dist.init_process_group"):
+        ShardedOptimizer(make_model("mlp").parameters(), torch.optim.AdamW)
