@@ -13,6 +13,9 @@ One module per concept; import the one you need:
     dtlab.data_parallel  DDP from scratch: per-tensor and bucketed gradient all-reduce
     dtlab.bandwidth    collective timing, algbw/busbw, memory-copy ceiling
     dtlab.spark        the Databricks Spark session, or a quiet local one
+    dtlab.zero         ZeRO-1 from scratch; what a DeepSpeed rank really holds
+    dtlab.memory       memory per GPU for DDP and ZeRO stages; DeepSpeed's estimators; advice
+    dtlab.ds_config    build and validate DeepSpeed configs
     dtlab.notebook     notebook parameters from Databricks widgets
     dtlab.course       run the course notebooks headless (``dtlab course run``)
 
