@@ -16,6 +16,8 @@ One module per concept; import the one you need:
     dtlab.zero         ZeRO-1 from scratch; what a DeepSpeed rank really holds
     dtlab.memory       memory per GPU for DDP and ZeRO stages; DeepSpeed's estimators; advice
     dtlab.ds_config    build and validate DeepSpeed configs
+    dtlab.precision    number formats; a DDP compression hook that counts its bytes
+    dtlab.speedup      the speed-up model (compute vs all-reduce) and its measurement
     dtlab.notebook     notebook parameters from Databricks widgets
     dtlab.course       run the course notebooks headless (``dtlab course run``)
 

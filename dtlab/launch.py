@@ -34,6 +34,7 @@ What it adds over a bare spawn:
 
 from __future__ import annotations
 
+import gc
 import io
 import multiprocessing as mp
 import os
@@ -105,6 +106,28 @@ def _die_with_parent() -> None:
         threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
 
 
+def _call_keeping_locals(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, list]:
+    """Call ``fn`` and also return its frame, so its local variables outlive the call.
+
+    A DDP model or process-group handle released at the moment ``fn`` returns can deadlock
+    inside gloo's teardown (its worker thread waits for the GIL while the releasing thread holds
+    it and waits for the worker). Keeping the frame lets the worker hand the result to the parent
+    *first*; the locals are released afterwards, and a worker stuck there is stopped by the parent.
+    """
+    code = getattr(fn, "__code__", None)
+    frames: list = []
+    if code is not None:
+        def catch_first_call(frame, event, _arg):  # profiling only until fn's own frame starts
+            if event == "call" and frame.f_code is code:
+                frames.append(frame)
+                sys.setprofile(None)
+        sys.setprofile(catch_first_call)
+    try:
+        return fn(*args, **kwargs), frames
+    finally:
+        sys.setprofile(None)
+
+
 def _worker(payload: bytes, rank: int, env: dict[str, str], q: Any) -> None:
     """Entry point of every worker process (runs in the child)."""
     import cloudpickle
@@ -117,17 +140,22 @@ def _worker(payload: bytes, rank: int, env: dict[str, str], q: Any) -> None:
     sys.stderr = _StreamToQueue(q, rank, "stderr")
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
-        result = fn(*args, **kwargs)
+        result, frames = _call_keeping_locals(fn, args, kwargs)
         data = cloudpickle.dumps(result)
     except BaseException as exc:  # noqa: BLE001 — everything must reach the parent
         sys.stdout.flush()
         sys.stderr.flush()
         q.put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
-    _finish_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     q.put(("result", rank, data, ""))
+    q.close()
+    q.join_thread()  # the result is in the pipe before anything below can go wrong
+    del frames, result
+    gc.collect()  # now fn's locals are released (the kept frame sits in a reference cycle)
+    _finish_process_group()
 
 
 def _finish_process_group() -> None:
@@ -229,8 +257,13 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
                 raise WorkerError(rank, a, b)
             else:
                 results[rank] = cloudpickle.loads(a)
+        deadline = time.monotonic() + 10
         for p in procs:
-            p.join(5)
+            p.join(max(0.0, deadline - time.monotonic()))
+        stuck = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        if stuck:
+            print(f"[dtlab.launch] ranks {stuck} returned their results but did not exit within 10 s "
+                  "(a process-group teardown that hung); they were stopped.", file=sys.stderr, flush=True)
     finally:
         _stop(procs)
         _drain(q, prefix_output)

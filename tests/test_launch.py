@@ -128,3 +128,21 @@ def test_a_script_without_a_main_guard_gets_the_fix(tmp_path):
     guarded.write_text("from dtlab.launch import run\nif __name__ == '__main__':\n    print(run(abs, -1, nprocs=2))\n")
     out = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[1, 1]", out.stderr
+
+
+class _SlowToDie:
+    def __del__(self):  # stands in for a process-group teardown that never finishes
+        time.sleep(3600)
+
+
+def _returns_then_hangs_in_teardown():
+    blocker = _SlowToDie()  # noqa: F841 — released when the function's locals are
+    return "done"
+
+
+def test_a_teardown_that_hangs_after_returning_does_not_lose_the_result(capfd):
+    start = time.monotonic()
+    assert launch.run(_returns_then_hangs_in_teardown, nprocs=2, timeout=120) == ["done", "done"]
+    assert time.monotonic() - start < 40
+    assert "did not exit within 10 s" in capfd.readouterr().err
+    assert _no_workers_left()

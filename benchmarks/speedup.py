@@ -1,0 +1,55 @@
+"""Predicted vs measured 2-process speed-up for several configurations, and the best tuned one.
+
+    .venv/bin/python benchmarks/speedup.py [--steps 20] [--repeats 2]
+
+For each configuration: one process and two processes train the same MLP (1 thread each), back to
+back in this run; the model (dtlab.speedup) predicts the 2-process speed-up from the 1-process
+step time and the all-reduce time measured for the gradient size. Repeats are interleaved and
+the median is reported.
+"""
+
+import argparse
+import statistics
+
+from dtlab.speedup import measure_speedup
+
+CONFIGS = {
+    "batch 64": dict(batch=64),
+    "batch 512": dict(batch=512),
+    "batch 64, fp16 compression": dict(batch=64, compression=True),
+    "batch 64, accumulate 8": dict(batch=64, accumulation=8),
+    "batch 256, accumulate 4": dict(batch=256, accumulation=4),
+    "batch 1024, accumulate 4": dict(batch=1024, accumulation=4),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--depth", type=int, default=4)
+    args = ap.parse_args()
+    rows = {name: [] for name in CONFIGS}
+    for _ in range(args.repeats):
+        for name, extra in CONFIGS.items():
+            cfg = dict(hidden=args.hidden, depth=args.depth, steps=args.steps, device="cpu", **extra)
+            rows[name].append(measure_speedup(cfg))
+    print(f"MLP 64-{args.hidden}x{args.depth}-10, 2 processes vs 1, median of {args.repeats}\n")
+    print("| configuration | 1-proc step ms | all-reduce ms | measured | predicted | error |")
+    print("|---|---:|---:|---:|---:|---:|")
+    within, best = 0, ("", 0.0)
+    for name, results in rows.items():
+        med = {k: statistics.median(r[k] for r in results) for k in ("one_step_s", "allreduce_s", "measured",
+                                                                       "predicted")}
+        err = med["predicted"] / med["measured"] - 1
+        within += abs(err) <= 0.2
+        best = max(best, (name, med["measured"]), key=lambda t: t[1])
+        print(f"| {name} | {1e3 * med['one_step_s']:.1f} | {1e3 * med['allreduce_s']:.2f} | "
+              f"{med['measured']:.2f}x | {med['predicted']:.2f}x | {err:+.0%} |")
+    print(f"\n{within} of {len(rows)} configurations predicted within ±20%")
+    print(f"best measured speed-up: {best[1]:.2f}x ({best[0]})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The speed-up model's arithmetic: known inputs, known outputs."""
+
+import pytest
+
+from dtlab import speedup
+
+
+def test_ring_allreduce_time():
+    assert speedup.allreduce_seconds(1e9, 1, 1e9) == 0
+    assert speedup.allreduce_seconds(1e9, 2, 1e9) == pytest.approx(1.0)            # 2(N-1)/N = 1
+    assert speedup.allreduce_seconds(1e9, 4, 1e9, latency=1e-3) == pytest.approx(1.5 + 6e-3)
+    with pytest.raises(ValueError):
+        speedup.allreduce_seconds(1e9, 2, 0)
+
+
+def test_seed_example():
+    assert speedup.seed_formula(4, 0.8) == pytest.approx(4 / 3.4)
+    assert speedup.seed_formula(1, 5.0) == 1.0
+    assert speedup.break_even_ratio(4) == pytest.approx(1.0)
+    assert speedup.break_even_ratio(4, 2.0) == pytest.approx(1 / 3)
+
+
+def test_prediction_matches_the_seed_formula_at_two_processes():
+    # t_compute 55 ms; 2(N-1)/N * bytes / bw = 44 ms at N=2 -> r = 0.8
+    p = speedup.predict(0.055, 44e6, 2, 1e9)
+    assert p.comm_s == pytest.approx(0.044)
+    assert p.speedup == pytest.approx(speedup.seed_formula(2, 0.8))
+    assert p.efficiency == pytest.approx(p.speedup / 2)
+
+
+def test_accumulation_compression_and_overlap_reduce_exposed_communication():
+    plain = speedup.predict(0.01, 10e6, 2, 1e9)
+    assert plain.comm_s == pytest.approx(0.01) and plain.speedup == pytest.approx(1.0)
+    accumulated = speedup.predict(0.01, 10e6, 2, 1e9, accumulation=4)
+    assert accumulated.compute_s == pytest.approx(0.04) and accumulated.speedup == pytest.approx(2 * 0.04 / 0.05)
+    assert speedup.predict(0.01, 10e6, 2, 1e9, compression=0.5).comm_s == pytest.approx(0.005)
+    assert speedup.predict(0.01, 10e6, 2, 1e9, overlap=1.0).speedup == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(t_compute=0), dict(accumulation=0), dict(compression=0), dict(overlap=2)])
+def test_bad_inputs(kwargs):
+    args = dict(t_compute=0.01, grad_bytes=1e6, n=2, bandwidth=1e9) | kwargs
+    with pytest.raises(ValueError):
+        speedup.predict(**args)
