@@ -110,9 +110,16 @@ def ci_parameters(path: Path) -> dict[str, Any]:
     return dict(meta.get("dtlab", {}).get("ci_parameters", {}))
 
 
+#: Seconds one cell may run before the notebook is stopped and reported as failed.
+CELL_TIMEOUT_S = 900
+
+
 def run_one(path: Path, run_dir: Path, params: dict[str, Any] | None = None, ci: bool = False,
-            stream: bool = True) -> Result:
-    """Execute one notebook into ``run_dir`` (also its working directory) and return the Result."""
+            stream: bool = True, cell_timeout: int = CELL_TIMEOUT_S) -> Result:
+    """Execute one notebook into ``run_dir`` (also its working directory) and return the Result.
+
+    A cell running longer than ``cell_timeout`` seconds stops the notebook (a hang becomes a failure).
+    """
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
@@ -124,7 +131,7 @@ def run_one(path: Path, run_dir: Path, params: dict[str, Any] | None = None, ci:
     try:
         papermill.execute_notebook(
             str(path), str(out), parameters=merged, cwd=str(run_dir), kernel_name="python3",
-            progress_bar=False, stdout_file=sys.stdout if stream else None,
+            progress_bar=False, execution_timeout=cell_timeout, stdout_file=sys.stdout if stream else None,
             stderr_file=sys.stderr if stream else None)
         return Result(path.stem, "ok", time.perf_counter() - start, str(out), parameters=merged)
     except PapermillExecutionError as exc:

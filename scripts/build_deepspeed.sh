@@ -30,25 +30,12 @@ if have_ops; then
   exit 0
 fi
 
-cache=$(wheel_cache)
-mkdir -p "$cache"
-wheel=$(ls "$cache"/deepspeed-$VERSION-*.whl 2>/dev/null | head -n 1 || true)
-if [ -z "$wheel" ]; then
-  say "building deepspeed $VERSION with ops $OPS (about 5 minutes on 2 cores; cached in $cache)"
-  t=$SECONDS
-  work=$(mktemp -d)
-  trap 'rm -rf "$work"' EXIT
-  export PATH="$(dirname "$PY"):$PATH"   # the venv's ninja
-  env DS_BUILD_OPS=0 $flags MAX_JOBS=${MAX_JOBS:-2} \
-    "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
-          --no-binary deepspeed --no-cache-dir "deepspeed==$VERSION" -w "$work/dist" > "$work/build.log" 2>&1 \
-    || { tail -n 40 "$work/build.log"; say "build failed (full log above)"; exit 1; }
-  cp "$work"/dist/deepspeed-*.whl "$cache/"
-  wheel=$(ls "$cache"/deepspeed-$VERSION-*.whl | head -n 1)
-  say "built in $((SECONDS - t)) s: $wheel"
-else
-  say "using cached wheel $wheel"
-fi
-pip_q install --force-reinstall --no-deps "$wheel"
+build() {  # $1: scratch folder
+  # shellcheck disable=SC2086  # $flags is a list of VAR=value words
+  PATH="$(dirname "$PY"):$PATH" env DS_BUILD_OPS=0 $flags MAX_JOBS=${MAX_JOBS:-2} \
+    "$PY" -m pip wheel --disable-pip-version-check --no-deps --no-build-isolation \
+          --no-binary deepspeed --no-cache-dir "deepspeed==$VERSION" -w "$1/dist"
+}
+install_cached_wheel deepspeed "$VERSION" "4-5" build
 have_ops || { say "installed wheel lacks the ops $OPS"; exit 1; }
 say "installed deepspeed $VERSION with prebuilt ops ($OPS)"

@@ -22,37 +22,21 @@ if "$PY" -c "import horovod, horovod.torch as h, sys; sys.exit(not (horovod.__ve
   exit 0
 fi
 
-cache=$(wheel_cache)
-mkdir -p "$cache"
-wheel=$(ls "$cache"/horovod-$VERSION-*.whl 2>/dev/null | head -n 1 || true)
-
-if [ -z "$wheel" ]; then
-  say "building horovod $VERSION (about 2-4 minutes on 2 cores; cached in $cache)"
-  t=$SECONDS
-  work=$(mktemp -d)
-  trap 'rm -rf "$work"' EXIT
-  pip_q download --no-deps --no-binary :all: "horovod==$VERSION" -d "$work"
-  tar -xzf "$work"/horovod-$VERSION.tar.gz -C "$work"
-  src="$work/horovod-$VERSION"
+build() {  # $1: scratch folder; every step must succeed (set -e does not apply in here)
+  local work=$1 src=$1/horovod-$VERSION
+  pip_q download --no-deps --no-binary :all: "horovod==$VERSION" -d "$work" &&
+  tar -xzf "$work/horovod-$VERSION.tar.gz" -C "$work" &&
   sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
-      "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
-  grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" \
-      || { say "patch 2 did not apply: horovod/torch/CMakeLists.txt changed"; exit 1; }
-  export PATH="$(dirname "$PY"):$PATH"   # the venv's cmake and ninja
+      "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt" &&
+  { grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" \
+      || { echo "patch 2 did not apply: horovod/torch/CMakeLists.txt changed"; return 1; }; } &&
+  PATH="$(dirname "$PY"):$PATH" \
   CMAKE_POLICY_VERSION_MINIMUM=3.5 \
   HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
   HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
   HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS=${MAKEFLAGS:--j2} \
-    "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation \
-          "$src" -w "$work/dist" > "$work/build.log" 2>&1 \
-    || { tail -n 40 "$work/build.log"; say "build failed (full log above)"; exit 1; }
-  cp "$work"/dist/horovod-*.whl "$cache/"
-  wheel=$(ls "$cache"/horovod-$VERSION-*.whl | head -n 1)
-  say "built in $((SECONDS - t)) s: $wheel"
-else
-  say "using cached wheel $wheel"
-fi
-
-pip_q install --force-reinstall --no-deps "$wheel"
+    "$PY" -m pip wheel --disable-pip-version-check --no-deps --no-build-isolation "$src" -w "$work/dist"
+}
+install_cached_wheel horovod "$VERSION" "2-4" build
 "$PY" -c "import horovod.torch as h; assert h.gloo_built(), 'horovod built without Gloo'"
 say "installed horovod $VERSION (PyTorch + Gloo)"

@@ -12,3 +12,31 @@ wheel_cache() {
   key=$("$PY" -c "import sys, torch; print(f'py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}')")
   echo "${DTLAB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dtlab}/wheels/$key"
 }
+
+# install_cached_wheel NAME VERSION MINUTES BUILD
+# Install NAME's wheel from the cache; on a miss, first run the function BUILD with a scratch folder
+# (it must leave the wheel in FOLDER/dist; its output goes to FOLDER/build.log) and cache the result.
+install_cached_wheel() {
+  local name=$1 version=$2 minutes=$3 build=$4 cache wheel work t
+  cache=$(wheel_cache)
+  mkdir -p "$cache"
+  wheel=$(ls "$cache"/"$name"-"$version"-*.whl 2>/dev/null | head -n 1 || true)
+  if [ -z "$wheel" ]; then
+    say "building $name $version (about $minutes minutes on 2 cores; cached in $cache)"
+    t=$SECONDS
+    work=$(mktemp -d)
+    if ! "$build" "$work" > "$work/build.log" 2>&1; then
+      tail -n 40 "$work/build.log"
+      say "build failed (log above)"
+      rm -rf "$work"
+      return 1
+    fi
+    cp "$work"/dist/"$name"-*.whl "$cache/"
+    rm -rf "$work"
+    wheel=$(ls "$cache"/"$name"-"$version"-*.whl | head -n 1)
+    say "built in $((SECONDS - t)) s: $wheel"
+  else
+    say "using cached wheel $wheel"
+  fi
+  pip_q install --force-reinstall --no-deps "$wheel"
+}
