@@ -61,19 +61,3 @@ def apply_databricks_widgets(namespace: dict[str, Any], names: list[str]) -> dic
             namespace[name] = changed[name] = value
     return changed
 
-
-def show(widget: Any) -> None:
-    """Display an ipywidgets widget in Jupyter; in a headless run, say where it would be instead.
-
-    Runs by ``dtlab course run`` / papermill (``DTLAB_HEADLESS=1``) have nobody to move a slider,
-    and a live widget's output traffic has stalled headless runs: the cells that follow call the
-    same function with fixed values, so the lesson's numbers are computed either way.
-    """
-    from dtlab.live import is_headless
-
-    if is_headless():
-        print(f"[{type(widget).__name__} not shown in a headless run; open the notebook in Jupyter to use it]")
-        return
-    from IPython.display import display
-
-    display(widget)

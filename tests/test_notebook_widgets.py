@@ -43,12 +43,3 @@ def test_a_bad_widget_value_names_the_parameter():
     with pytest.raises(ValueError, match="widget epochs='three' cannot be used as int"):
         apply_databricks_widgets(ns, ["epochs"])
 
-
-def test_show_prints_a_note_instead_of_a_widget_when_headless(monkeypatch, capsys):
-    import ipywidgets
-
-    from dtlab.notebook import show
-
-    monkeypatch.setenv("DTLAB_HEADLESS", "1")
-    show(ipywidgets.IntSlider())
-    assert "IntSlider not shown in a headless run" in capsys.readouterr().out
