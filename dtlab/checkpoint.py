@@ -8,6 +8,8 @@
 * ``training_state`` / ``restore`` bundle and unbundle model, optimizer, position and RNG states,
   so a resumed run continues where it stopped.
 * ``save_on_rank0`` is the distributed form: rank 0 writes, everybody waits at a barrier.
+* ``Checkpointer``  saves every K steps or T seconds, keeps the newest M, and finds the newest
+  readable one to resume from.
 
 >>> state = training_state(model, optimizer, epoch=3, step=120)      # doctest: +SKIP
 >>> save("checkpoints/last.pt", state)                                # doctest: +SKIP
@@ -19,8 +21,12 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import re
 import tempfile
+import time
+import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,26 +117,48 @@ def _as_tuple(x: Any) -> Any:
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, epoch: int = 0,
-                   step: int = 0, **extra: Any) -> dict[str, Any]:
-    """Everything needed to continue training: weights, optimizer, position, RNG, and ``extra``.
+                   step: int = 0, scheduler: Any = None, loader: Any = None, **extra: Any) -> dict[str, Any]:
+    """Everything needed to continue training exactly: weights, optimizer, scheduler, position,
+    the data loader's place in its epoch, every rank's RNG states, and ``extra``.
 
     Pass the *unwrapped* model (``ddp_model.module``) so the keys carry no ``module.`` prefix and
-    the checkpoint loads into a plain model too.
+    the checkpoint loads into a plain model too. In a process group every rank must call this
+    (the RNG states of all ranks are gathered); usually only rank 0 then writes the result.
     """
-    state = {"model": model.state_dict(), "epoch": epoch, "step": step, "rng": rng_state()}
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    state = {"model": model.state_dict(), "epoch": epoch, "step": step, "world_size": world, "rng": rng_state()}
+    if distributed and world > 1:
+        per_rank: list[Any] = [None] * world
+        dist.all_gather_object(per_rank, state["rng"])
+        state["rng_per_rank"] = per_rank
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    if loader is not None:
+        state["loader"] = loader.state_dict()
     state.update(extra)
     return state
 
 
 def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-            restore_rng: bool = True) -> tuple[int, int]:
-    """Load ``state`` (from ``training_state``) into ``model`` and ``optimizer``; return ``(epoch, step)``.
+            scheduler: Any = None, loader: Any = None, restore_rng: bool = True,
+            allow_new_world_size: bool = False) -> tuple[int, int]:
+    """Load ``state`` (from ``training_state``) into what is given; return ``(epoch, step)``.
 
-    Raises ``CheckpointError`` naming the mismatching tensor when the checkpoint was made for a
-    model of another shape; the model is left unchanged in that case.
+    Everything is checked before anything is changed: a checkpoint of another model (the
+    mismatching tensor is named), an optimizer with other parameter groups, or another world
+    size raise ``CheckpointError`` and leave model, optimizer and loader as they were.
+
+    ``allow_new_world_size=True`` resumes weights, optimizer and scheduler with a different number
+    of processes; the data position cannot be resharded exactly, so the loader restarts the
+    saved epoch from its beginning and the RNG is seeded afresh by you.
     """
+    import torch.distributed as dist
+
     if "model" not in state:
         raise CheckpointError(f"checkpoint has no 'model' entry (keys: {sorted(state)}); "
                               "it was not written by dtlab.checkpoint.training_state.")
@@ -146,11 +174,36 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
             if any(k.startswith("module.") for k in unexpected) else ""
         raise CheckpointError(f"checkpoint does not fit this model: {detail}{hint}. "
                               "Fix: build the model with the same configuration as the one that was saved.")
+    if optimizer is not None and "optimizer" in state:
+        saved = [len(g["params"]) for g in state["optimizer"]["param_groups"]]
+        now = [len(g["params"]) for g in optimizer.param_groups]
+        if saved != now:
+            raise CheckpointError(f"optimizer state does not fit: parameter groups of sizes {saved} in the "
+                                  f"checkpoint, {now} now. Fix: create the optimizer over the same parameters "
+                                  "(and groups) as the run that saved it.")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    saved_world = int(state.get("world_size", world))
+    new_world = saved_world != world
+    if new_world and not allow_new_world_size:
+        raise CheckpointError(f"checkpoint was written by a run of {saved_world} processes; this run has {world}. "
+                              "Weights and optimizer would load, but each rank's data shard and RNG would not "
+                              "continue where they stopped. Fix: resume with the same number of processes, or "
+                              "pass allow_new_world_size=True to restart the saved epoch on the new world size.")
+    if loader is not None and "loader" in state and not new_world:
+        loader.load_state_dict(state["loader"])  # validates first; raises before anything else changes
+    elif loader is not None and "loader" in state:
+        loader.set_epoch(int(state["loader"]["epoch"]))
     model.load_state_dict(state["model"])
     if optimizer is not None and "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
-    if restore_rng and "rng" in state:
-        set_rng_state(state["rng"])
+    if scheduler is not None and "scheduler" in state:
+        scheduler.load_state_dict(state["scheduler"])
+    if restore_rng and not new_world:
+        rank = dist.get_rank() if world > 1 else 0
+        if "rng_per_rank" in state:
+            set_rng_state(state["rng_per_rank"][rank])
+        elif "rng" in state:
+            set_rng_state(state["rng"])
     return int(state.get("epoch", 0)), int(state.get("step", 0))
 
 
@@ -161,3 +214,110 @@ def save_on_rank0(path: str | os.PathLike, state: dict[str, Any]) -> None:
     if distributed.is_main():
         save(path, state)
     distributed.barrier()
+
+
+class Checkpointer:
+    """Periodic checkpoints in one directory: every ``every_steps`` steps and/or every
+    ``every_seconds`` seconds, written atomically, the newest ``keep`` kept.
+
+    On spot instances the advice is a checkpoint every 30–60 minutes: a preempted run then
+    loses at most that much. Time-based saving is decided on rank 0 and broadcast, so all
+    ranks save at the same step even though their clocks differ.
+
+    >>> ckpt = Checkpointer("checkpoints", every_steps=100, keep=3)            # doctest: +SKIP
+    >>> state = ckpt.load_latest()                   # None on a fresh start   # doctest: +SKIP
+    >>> for step in range(start, total):                                       # doctest: +SKIP
+    ...     train_one_step()
+    ...     ckpt.maybe_save(step + 1, lambda: training_state(model, optimizer, step=step + 1))
+
+    Weights that are NaN or infinite are never written (``CheckpointError``): a diverged step
+    must not replace the last good checkpoint.
+    """
+
+    PATTERN = re.compile(r"^step-(\d+)\.pt$")
+
+    def __init__(self, directory: str | os.PathLike, every_steps: int | None = None,
+                 every_seconds: float | None = None, keep: int = 3):
+        if not every_steps and not every_seconds:
+            raise ValueError("Checkpointer needs every_steps or every_seconds (or both), e.g. every_steps=100.")
+        if keep < 1:
+            raise ValueError(f"keep={keep}: keep at least the newest checkpoint (keep=1); 2-3 is safer.")
+        from dtlab import distributed
+
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
+        self._last_save = time.monotonic()
+        if distributed.is_main():  # temporary files of a writer killed mid-write are garbage
+            for tmp in self.directory.glob(".step-*.tmp"):
+                tmp.unlink(missing_ok=True)
+
+    def path(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` goes."""
+        return self.directory / f"step-{step:08d}.pt"
+
+    def checkpoints(self) -> list[Path]:
+        """The complete checkpoints in the directory, oldest first."""
+        found = [(int(m.group(1)), p) for p in self.directory.iterdir() if (m := self.PATTERN.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint, or ``None``."""
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` should be saved (the same answer on every rank)."""
+        import torch.distributed as dist
+
+        due = bool(self.every_steps and step % self.every_steps == 0)
+        if self.every_seconds and not due:
+            due = time.monotonic() - self._last_save >= self.every_seconds
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                flag = torch.tensor([int(due)])
+                dist.broadcast(flag, src=0)  # rank 0's clock decides for everyone
+                due = bool(flag.item())
+        return due
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write ``state`` as the checkpoint of ``step`` (rank 0), drop the oldest, then wait for all ranks."""
+        from dtlab import distributed
+
+        path = self.path(step)
+        bad = [k for k, v in state.get("model", {}).items()
+               if torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            raise CheckpointError(f"weights {bad[:3]} hold NaN or inf at step {step}; not saved, so the last good "
+                                  f"checkpoint ({self.latest()}) stays. Fix: resume from it with a lower learning "
+                                  "rate, gradient clipping, or a loss scaler.")
+        if distributed.is_main():
+            save(path, state)
+            for old in self.checkpoints()[:-self.keep]:
+                old.unlink(missing_ok=True)
+        distributed.barrier()
+        self._last_save = time.monotonic()
+        return path
+
+    def maybe_save(self, step: int, make_state: Callable[[], dict[str, Any]]) -> Path | None:
+        """Save ``make_state()`` if ``step`` is due; ``make_state`` is only called then (every rank calls this)."""
+        return self.save(step, make_state()) if self.due(step) else None
+
+    def load_latest(self, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
+        """The newest checkpoint that can be read, or ``None`` when there is none.
+
+        A newest file that cannot be read (a disk fault; atomic writes never leave half a file)
+        is reported and the one before it is used, so nothing more than one interval is lost.
+        """
+        errors = []
+        for path in reversed(self.checkpoints()):
+            try:
+                state = load(path, map_location)
+            except CheckpointError as exc:
+                errors.append(str(exc))
+                warnings.warn(f"skipping unreadable checkpoint {path.name}: {exc}", stacklevel=2)
+                continue
+            state.setdefault("path", str(path))
+            return state
+        if errors:
+            raise CheckpointError(f"no readable checkpoint in {self.directory}: {' | '.join(errors)}")
+        return None

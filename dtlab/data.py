@@ -8,16 +8,18 @@ job (and every re-run) sees exactly the same samples.
 * ``synthetic_tokens``         — token sequences following a hidden rule, for the tiny GPT.
 * ``digits``                   — scikit-learn's 8x8 handwritten digits (1,797 real images, shipped
   inside the package).
-* ``DistributedLoader``        — DataLoader + DistributedSampler whose epoch advances by itself.
+* ``DistributedLoader``        — DataLoader + DistributedSampler whose epoch advances by itself
+  and whose position can be saved and resumed mid-epoch.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 
 def synthetic_classification(n: int = 4096, features: int = 64, classes: int = 10, seed: int = 0,
@@ -88,12 +90,29 @@ class SlowDataset(Dataset):
         return self.dataset[i]
 
 
+class _SkipFirst(Sampler):
+    """The indices of ``sampler`` without the first ``skip`` (resuming mid-epoch)."""
+
+    def __init__(self, sampler: Sampler, skip: int):
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.skip)
+
+
 class DistributedLoader:
-    """A DataLoader over this rank's share of ``dataset`` that reshuffles every epoch by itself.
+    """A DataLoader over this rank's share of ``dataset`` that reshuffles every epoch by itself
+    and can say exactly where it is, so a resumed run sees the batches it had not seen yet.
 
     ``DistributedSampler`` shuffles with ``seed + epoch``; forget ``sampler.set_epoch(epoch)`` and
     every epoch repeats the first epoch's order. Here each pass over the loader advances the
-    epoch, so it cannot be forgotten; ``set_epoch`` is still there to jump (e.g. when resuming).
+    epoch, so it cannot be forgotten; ``set_epoch`` is still there to jump.
+
+    ``state_dict()`` is the position (epoch and batches already handed out in it);
+    ``load_state_dict()`` makes the next pass start right after them, mid-epoch if need be.
 
     Args:
         dataset: the full dataset (identical on every rank).
@@ -105,6 +124,8 @@ class DistributedLoader:
     >>> loader = DistributedLoader(synthetic_classification(64), batch_size=8, rank=0, world_size=2)
     >>> len(loader), loader.epoch
     (4, 0)
+    >>> batches = iter(loader); _ = next(batches); loader.state_dict()["batches_done"]
+    1
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, rank: int | None = None,
@@ -116,19 +137,59 @@ class DistributedLoader:
         world_size = distributed.world_size() if world_size is None else world_size
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is outside world_size={world_size}")
+        self.dataset, self.batch_size, self.world_size, self.seed = dataset, batch_size, world_size, seed
         self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
                                           seed=seed, drop_last=drop_last)
+        # its own generator: a DataLoader otherwise draws a seed from the global RNG at every epoch
+        # start, so a run resumed mid-epoch would see other dropout masks than one that never stopped
+        loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
+        self.loader_kwargs = loader_kwargs
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, **loader_kwargs)
         self.epoch = 0
+        self._skip = 0                 # batches to skip at the start of the next pass
+        self._position = (0, 0)        # (epoch, batches handed out in it)
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass use ``epoch``'s shuffle (for resuming mid-training)."""
-        self.epoch = epoch
+        """Make the next pass use ``epoch``'s shuffle, from its first batch."""
+        self.epoch, self._skip, self._position = epoch, 0, (epoch, 0)
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator:
-        self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        return iter(self.loader)
+        epoch, skip = self.epoch, self._skip
+        self.sampler.set_epoch(epoch)
+        self.epoch, self._skip = epoch + 1, 0
+        loader = self.loader if skip == 0 else DataLoader(
+            self.dataset, batch_size=self.batch_size, sampler=_SkipFirst(self.sampler, skip * self.batch_size),
+            **self.loader_kwargs)
+        done = skip
+        for batch in loader:
+            done += 1
+            self._position = (epoch, done)  # counted when handed out: a step on it may follow
+            yield batch
+        self._position = (epoch + 1, 0)
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the loader is: ``epoch`` and ``batches_done`` in it (plus what must match on resume)."""
+        epoch, done = self._position
+        if done >= len(self):
+            epoch, done = epoch + 1, 0
+        return {"epoch": epoch, "batches_done": done, "world_size": self.world_size,
+                "batch_size": self.batch_size, "seed": self.seed, "dataset_len": len(self.dataset)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state``: the next pass starts after its ``batches_done`` batches.
+
+        Raises ``ValueError`` when world size, batch size, seed or dataset length differ: the
+        shards would then hold other samples and "the same position" would not exist.
+        """
+        mine = self.state_dict()
+        changed = [f"{k}: saved {state[k]}, now {mine[k]}" for k in ("world_size", "batch_size", "seed", "dataset_len")
+                   if k in state and state[k] != mine[k]]
+        if changed:
+            raise ValueError(f"cannot resume the data position exactly ({'; '.join(changed)}): each rank's shard "
+                             "depends on them. Fix: resume with the same settings, or start the epoch afresh "
+                             "with loader.set_epoch(state['epoch']).")
+        self.epoch, self._skip = int(state["epoch"]), int(state["batches_done"])
+        self._position = (self.epoch, self._skip)

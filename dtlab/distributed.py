@@ -114,8 +114,26 @@ def setup(backend: str | None = None, timeout: timedelta | None = None) -> torch
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(p.backend, timeout=timeout or DEFAULT_TIMEOUT)
+        timeout = timeout or DEFAULT_TIMEOUT
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(p.backend, store=_attempt_store(timeout), rank=rank(), world_size=world_size(),
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(p.backend, timeout=timeout)
     return device
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store:
+    """torchrun's store, with keys private to this restart attempt.
+
+    torchrun keeps one key-value store across restarts; without a per-attempt prefix a restarted
+    rank can read the address a rank of the *previous* attempt published, and gloo then fails
+    with "connectFullMesh ... Connection refused" (or waits) on about half the restarts (measured
+    with torch 2.13; pytorch/pytorch#167288 reports the same with NCCL).
+    """
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size(),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"dtlab/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 def teardown() -> None:

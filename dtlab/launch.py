@@ -254,6 +254,11 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
             if kind == "out":
                 _print(rank, a, b, prefix_output)
             elif kind == "error":
+                dead = _died_first(procs, results, rank)
+                if dead is not None:  # a peer that died makes the others fail: name the cause
+                    raise WorkerError(dead, f"process exited with code {procs[dead].exitcode} without returning "
+                                      f"(killed, out of memory, or a crash in native code); rank {rank} then "
+                                      f"failed with: {a.splitlines()[0] if a else ''}", b) from None
                 raise WorkerError(rank, a, b)
             else:
                 results[rank] = cloudpickle.loads(a)
@@ -269,6 +274,16 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
         _drain(q, prefix_output)
         q.close()
     return [results[r] for r in range(nprocs)]
+
+
+def _died_first(procs: list, results: dict, failed: int, grace: float = 0.5) -> int | None:
+    """A rank that died (no result, non-zero exit) while ``failed`` raised, if any, within ``grace`` s."""
+    deadline = time.monotonic() + grace
+    while True:
+        dead = [r for r, p in enumerate(procs) if r != failed and r not in results and p.exitcode not in (None, 0)]
+        if dead or time.monotonic() > deadline:
+            return dead[0] if dead else None
+        time.sleep(0.02)
 
 
 def _print(rank: int, stream: str, text: str, prefix: bool) -> None:

@@ -32,20 +32,22 @@ def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
 
 
 class MLP(nn.Module):
-    """``depth`` hidden layers of width ``hidden``, ReLU between them.
+    """``depth`` hidden layers of width ``hidden``, ReLU between them (and dropout, if asked:
+    then the random state matters, which is what an exact resume must restore).
 
     >>> MLP(64, 128, 10, depth=2)(torch.zeros(4, 64)).shape
     torch.Size([4, 10])
     """
 
-    def __init__(self, in_features: int = 64, hidden: int = 256, out_features: int = 10, depth: int = 2):
+    def __init__(self, in_features: int = 64, hidden: int = 256, out_features: int = 10, depth: int = 2,
+                 dropout: float = 0.0):
         super().__init__()
         if depth < 1:
             raise ValueError(f"depth={depth}: an MLP needs at least one hidden layer")
         layers: list[nn.Module] = []
         width = in_features
         for _ in range(depth):
-            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            layers += [nn.Linear(width, hidden), nn.ReLU()] + ([nn.Dropout(dropout)] if dropout else [])
             width = hidden
         layers.append(nn.Linear(width, out_features))
         self.net = nn.Sequential(*layers)
