@@ -1,0 +1,295 @@
+"""Experiment tracking with MLflow, from rank 0 only.
+
+Every rank of a job runs the same code; if each one logged, one experiment would show N runs
+(or N copies of each metric) and the SQLite store would be written by N processes at once.
+``start`` therefore returns a real run on rank 0 and a silent stand-in on the other ranks, so
+the training code calls the same methods everywhere.
+
+Where runs go (``default_uri``):
+
+* ``MLFLOW_TRACKING_URI`` if it is set (MLflow 3's ``set_tracking_uri`` sets it too, so the
+  last store used in this process stays the default);
+* ``databricks`` on Databricks (experiments are workspace paths, e.g. ``/Shared/dtlab/ddp``);
+* otherwise a SQLite file ``mlflow.db`` in the current folder, artifacts beside it.
+
+``local_server`` starts an MLflow tracking server bound to 127.0.0.1 for a UI or for
+several machines' worth of logging. Only APIs present in both MLflow 2.13 (Databricks Runtime
+15.4 LTS ML) and MLflow 3 are used; newer keywords are passed only where they exist.
+
+>>> with start("ddp-digits", params={"lr": 0.1}) as run:       # doctest: +SKIP
+...     run.log_metrics({"loss": 0.5}, step=1)
+...     uri = run.log_model(model)
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be used; the message names the cause and the fix."""
+
+
+def on_databricks() -> bool:
+    """True inside a Databricks runtime."""
+    return "DATABRICKS_RUNTIME_VERSION" in os.environ
+
+
+def default_uri(directory: str | os.PathLike = ".") -> str:
+    """The tracking URI to use when none is given (see the module docstring)."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    if on_databricks():
+        return "databricks"
+    return f"sqlite:///{Path(directory).resolve() / 'mlflow.db'}"
+
+
+def experiment_path(name: str) -> str:
+    """Databricks needs workspace paths for experiments; elsewhere the name is used as is."""
+    return f"/Shared/dtlab/{name}" if on_databricks() and not name.startswith("/") else name
+
+
+def check_uri(uri: str, timeout: float = 3.0) -> str:
+    """Fail fast, with the fix, when ``uri`` cannot work; return it unchanged when it can.
+
+    A server that is down would otherwise surface as retries and a stack of HTTP errors minutes
+    into training, possibly after rank 0 has already trained and cannot log.
+    """
+    parsed = urlparse(uri)
+    local_fix = "or unset MLFLOW_TRACKING_URI to log to a SQLite file in this folder"
+    if parsed.scheme == "sqlite":
+        db = Path(parsed.path[1:] if parsed.path.startswith("//") else parsed.path)
+        if str(db) not in ("", ":memory:") and not db.parent.is_dir():
+            raise TrackingError(f"MLflow store {uri}: folder {db.parent} does not exist. "
+                                f"Fix: create it (os.makedirs({str(db.parent)!r})) {local_fix}.")
+    elif parsed.scheme in ("http", "https"):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as response:
+                response.read()
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise TrackingError(f"cannot reach the MLflow tracking server at {uri} ({reason}). Fix: start it "
+                                "(dtlab.tracking.local_server() or `mlflow server --host 127.0.0.1 --port 5000`), "
+                                f"correct the address, {local_fix}.") from None
+    elif uri.startswith("databricks") and not on_databricks():
+        if not (os.environ.get("DATABRICKS_HOST") or Path.home().joinpath(".databrickscfg").exists()):
+            raise TrackingError(f"tracking URI {uri!r} needs Databricks credentials, and none are set here. "
+                                "Fix: run on Databricks, set DATABRICKS_HOST and DATABRICKS_TOKEN (from a secret), "
+                                f"{local_fix}.")
+    return uri
+
+
+class Run:
+    """One tracked run. On ranks other than 0 (``active`` is False) every method does nothing.
+
+    Use it as a context manager, or call ``end()``: an exception inside the ``with`` block marks
+    the run FAILED, so crashed runs are visible in the store rather than left "RUNNING".
+    """
+
+    def __init__(self, experiment: str, run_name: str | None = None, params: dict[str, Any] | None = None,
+                 uri: str | None = None, system_metrics: bool = True, active: bool = True):
+        self.active, self.run_id, self.uri, self.ended = active, None, None, False
+        if not active:
+            return
+        import mlflow
+
+        self.uri = check_uri(uri or default_uri())
+        mlflow.set_tracking_uri(self.uri)
+        name = experiment_path(experiment)
+        experiment_id = _experiment_id(name, self.uri)
+        kwargs: dict[str, Any] = {"experiment_id": experiment_id, "run_name": run_name}
+        if system_metrics and "log_system_metrics" in inspect.signature(mlflow.start_run).parameters:
+            if hasattr(mlflow, "set_system_metrics_sampling_interval"):
+                mlflow.set_system_metrics_sampling_interval(1)
+            kwargs["log_system_metrics"] = True  # CPU, memory, GPU use while the run is open
+        self._run = mlflow.start_run(**kwargs)
+        self.run_id = self._run.info.run_id
+        if params:
+            self.log_params(params)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Hyper-parameters (strings, numbers); logged once per run."""
+        if self.active:
+            import mlflow
+
+            mlflow.log_params(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Numbers that change during training, e.g. ``{"loss": 0.41}`` at ``step``."""
+        if self.active:
+            import mlflow
+
+            mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+
+    def log_figure(self, figure: Any, name: str) -> None:
+        """A matplotlib figure, stored as an image artifact (e.g. ``"loss.png"``)."""
+        if self.active:
+            import mlflow
+
+            mlflow.log_figure(figure, name)
+
+    def log_artifact(self, path: str | os.PathLike) -> None:
+        """Any file (a config, a checkpoint, a report)."""
+        if self.active:
+            import mlflow
+
+            mlflow.log_artifact(str(path))
+
+    def log_model(self, model: Any, name: str = "model") -> str | None:
+        """Log a PyTorch model (pickle format, named explicitly) and return its URI for ``load_model``.
+
+        MLflow 3 defaults to a torch.export format off Databricks and to pickle on it; saying
+        ``pickle`` makes the model load back as the same ``nn.Module`` class everywhere (the
+        class must be importable, as dtlab's models are).
+        """
+        if not self.active:
+            return None
+        import mlflow.pytorch
+
+        params = inspect.signature(mlflow.pytorch.log_model).parameters
+        kwargs: dict[str, Any] = {"pip_requirements": ["torch"]}
+        if "serialization_format" in params:  # MLflow 3; 2.13 always pickles
+            kwargs["serialization_format"] = "pickle"
+        if "name" in params:  # MLflow 3 renamed artifact_path to name
+            kwargs["name"] = name
+        else:
+            kwargs["artifact_path"] = name
+        info = mlflow.pytorch.log_model(model, **kwargs)
+        return info.model_uri
+
+    def end(self, status: str = "FINISHED") -> None:
+        """Close the run (``FINISHED`` or ``FAILED``)."""
+        if self.active and not self.ended:
+            import mlflow
+
+            mlflow.end_run(status=status)
+            self.ended = True  # run_id stays, for queries after the run
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.end("FAILED" if exc_type else "FINISHED")
+
+
+def _experiment_id(name: str, uri: str) -> str:
+    """The experiment's id, created with its artifacts next to a SQLite store (not in the cwd)."""
+    import mlflow
+
+    experiment = mlflow.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = None
+    if uri.startswith("sqlite:///"):
+        db = Path(urlparse(uri).path[1:] if urlparse(uri).path.startswith("//") else urlparse(uri).path)
+        location = (db.parent / "mlartifacts").resolve().as_uri()
+    try:
+        return mlflow.create_experiment(name, artifact_location=location)
+    except Exception:  # another process created it in the meantime
+        experiment = mlflow.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
+def start(experiment: str, run_name: str | None = None, params: dict[str, Any] | None = None,
+          uri: str | None = None, system_metrics: bool = True, every_rank: bool = False) -> Run:
+    """Open a run on rank 0 (a silent stand-in elsewhere); see ``Run``.
+
+    ``every_rank=True`` logs from every rank: only for showing why not to.
+    """
+    from dtlab import distributed
+
+    return Run(experiment, run_name, params, uri, system_metrics, active=every_rank or distributed.is_main())
+
+
+def runs(experiment: str, uri: str | None = None) -> Any:
+    """All runs of ``experiment`` as a pandas DataFrame (``mlflow.search_runs``), newest first."""
+    import mlflow
+
+    mlflow.set_tracking_uri(check_uri(uri or default_uri()))
+    return mlflow.search_runs(experiment_names=[experiment_path(experiment)], order_by=["start_time DESC"])
+
+
+def load_model(model_uri: str, uri: str | None = None) -> Any:
+    """Load a model logged with ``Run.log_model`` (as the same ``nn.Module`` class)."""
+    import mlflow.pytorch
+
+    mlflow.set_tracking_uri(check_uri(uri or default_uri()))
+    return mlflow.pytorch.load_model(model_uri)
+
+
+def worker_env(uri: str | None = None) -> dict[str, str]:
+    """Environment variables that let launched workers log to the same store.
+
+    Workers inherit ``os.environ``, not ``mlflow.set_tracking_uri``. On Databricks, workers also
+    need the workspace host and a token; they are read from the notebook's context here and
+    must not be written into code or files.
+    """
+    env = {"MLFLOW_TRACKING_URI": uri or default_uri()}
+    if on_databricks():
+        try:
+            from dbruntime.databricks_repl_context import get_context  # Databricks only
+
+            context = get_context()
+            env["DATABRICKS_HOST"] = f"https://{context.browserHostName}"
+            env["DATABRICKS_TOKEN"] = context.apiToken
+        except Exception:  # not in a notebook (e.g. a job's Python task): credentials come from the env
+            pass
+    return env
+
+
+@contextmanager
+def local_server(directory: str | os.PathLike = ".", port: int | None = None, timeout: float = 60.0):
+    """Run ``mlflow server`` bound to 127.0.0.1 (not reachable from other machines) while the block runs.
+
+    Yields the server's URI (``http://127.0.0.1:PORT``). The store is ``mlflow.db`` in
+    ``directory``, artifacts are served from ``directory/mlartifacts``.
+    """
+    from dtlab.distributed import free_port
+
+    directory = Path(directory).resolve()
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+           "--backend-store-uri", f"sqlite:///{directory / 'mlflow.db'}",
+           "--artifacts-destination", str(directory / "mlartifacts"), "--workers", "1"]
+    log = open(directory / "mlflow-server.log", "w")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                check_uri(uri, timeout=1.0)
+                break
+            except TrackingError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise TrackingError(f"mlflow server did not start (exit {server.poll()}); see "
+                                        f"{directory / 'mlflow-server.log'}") from None
+                time.sleep(0.5)
+        yield uri
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def port_is_open(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something listens on ``host:port`` (used to show the server bound to localhost only)."""
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0

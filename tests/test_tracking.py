@@ -1,0 +1,103 @@
+"""MLflow tracking against a real SQLite store (and a real local server): rank 0 logs, others do not."""
+
+import os
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dtlab import distributed, launch, models, tracking  # noqa: E402
+
+
+def _log_from_every_rank(uri, every_rank):
+    distributed.setup()
+    with tracking.start("ranks", run_name=f"every_rank={every_rank}", params={"world": distributed.world_size()},
+                        uri=uri, system_metrics=False, every_rank=every_rank) as run:
+        for step in range(3):
+            run.log_metrics({"loss": 1.0 / (step + 1)}, step=step)
+        return run.active
+
+
+def test_only_rank_0_logs_unless_told_otherwise(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert launch.run(_log_from_every_rank, uri, False, nprocs=2) == [True, False]
+    assert len(tracking.runs("ranks", uri)) == 1
+    launch.run(_log_from_every_rank, uri, True, nprocs=2)
+    table = tracking.runs("ranks", uri)
+    assert sorted(table["tags.mlflow.runName"]) == ["every_rank=False", "every_rank=True", "every_rank=True"]
+    assert set(table["metrics.loss"]) == {1.0 / 3}
+
+
+def test_params_metrics_figures_and_the_model_round_trip(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default store is ./mlflow.db
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # MLflow 3's set_tracking_uri also sets it
+    torch.manual_seed(0)
+    model = models.MLP(8, 16, 3, depth=1)
+    fig, ax = plt.subplots()
+    ax.plot([3, 2, 1])
+    with tracking.start("round-trip", params={"lr": 0.1, "hidden": 16}) as run:
+        run.log_metrics({"loss": 0.5, "acc": 0.8}, step=7)
+        run.log_figure(fig, "loss.png")
+        model_uri = run.log_model(model)
+    plt.close(fig)
+    assert (tmp_path / "mlflow.db").exists() and list(tmp_path.glob("mlartifacts/*/*"))
+    row = tracking.runs("round-trip").iloc[0]
+    assert row["params.lr"] == "0.1" and row["metrics.acc"] == 0.8 and row["status"] == "FINISHED"
+    loaded = tracking.load_model(model_uri)
+    x = torch.randn(4, 8)
+    assert type(loaded) is models.MLP and torch.equal(loaded(x), model(x))
+
+
+def test_a_run_that_raises_is_marked_failed(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(ZeroDivisionError):
+        with tracking.start("crash", uri=uri, system_metrics=False):
+            raise ZeroDivisionError("a step failed")
+    assert tracking.runs("crash", uri).iloc[0]["status"] == "FAILED"
+
+
+def test_an_unreachable_server_is_a_clear_error_within_seconds():
+    port = distributed.free_port()
+    start = time.monotonic()
+    with pytest.raises(tracking.TrackingError, match=rf"cannot reach the MLflow tracking server at "
+                                                     rf"http://127.0.0.1:{port}.*Fix: start it"):
+        tracking.start("x", uri=f"http://127.0.0.1:{port}")
+    assert time.monotonic() - start < 10
+
+
+def test_a_store_in_a_missing_folder_and_databricks_without_credentials_are_refused(tmp_path, monkeypatch):
+    with pytest.raises(tracking.TrackingError, match="does not exist. Fix: create it"):
+        tracking.check_uri(f"sqlite:///{tmp_path / 'nope' / 'mlflow.db'}")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("DATABRICKS_HOST", raising=False)
+    monkeypatch.delenv("DATABRICKS_RUNTIME_VERSION", raising=False)
+    with pytest.raises(tracking.TrackingError, match="needs Databricks credentials"):
+        tracking.check_uri("databricks")
+
+
+def test_where_runs_go(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DATABRICKS_RUNTIME_VERSION", raising=False)
+    assert tracking.default_uri(tmp_path) == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert tracking.experiment_path("ddp") == "ddp"
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "15.4")
+    assert tracking.default_uri(tmp_path) == "databricks" and tracking.experiment_path("ddp") == "/Shared/dtlab/ddp"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking:5000")
+    assert tracking.default_uri() == "http://tracking:5000"
+    assert tracking.worker_env()["MLFLOW_TRACKING_URI"] == "http://tracking:5000"
+
+
+@pytest.mark.timeout(120)
+def test_a_local_server_listens_on_localhost_and_stores_runs(tmp_path):
+    with tracking.local_server(tmp_path) as uri:
+        port = int(uri.rsplit(":", 1)[1])
+        assert uri.startswith("http://127.0.0.1:") and tracking.port_is_open(port)
+        with tracking.start("served", uri=uri, system_metrics=False, params={"a": 1}) as run:
+            run.log_metrics({"loss": 0.25}, step=1)
+        assert tracking.runs("served", uri).iloc[0]["metrics.loss"] == 0.25
+    assert not tracking.port_is_open(port)
+    assert os.path.exists(tmp_path / "mlflow.db")
