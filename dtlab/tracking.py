@@ -24,6 +24,7 @@ several machines' worth of logging. Only APIs present in both MLflow 2.13 (Datab
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import socket
 import subprocess
@@ -104,6 +105,8 @@ class Run:
             return
         import mlflow
 
+        for chatty in ("mlflow.system_metrics", "mlflow.store.db.utils", "mlflow.tracking.fluent", "alembic"):
+            logging.getLogger(chatty).setLevel(logging.WARNING)  # keep workers' output to what matters
         self.uri = check_uri(uri or default_uri())
         mlflow.set_tracking_uri(self.uri)
         name = experiment_path(experiment)
