@@ -6,14 +6,18 @@
     dtlab course list                           the notebooks, in order, with their parameters
     dtlab course run [NOTEBOOK ...] [-p name=value ...] [--ci] [--runs DIR]
                                                 run notebooks headless into runs/<timestamp>/
+    dtlab clusters validate [PATH ...]          check cluster files and databricks.yml offline
+                                                (default: clusters/*.yml and databricks.yml)
 
-Exit codes: 0 success, 1 a notebook failed, 2 bad input (unknown notebook, malformed -p).
+Exit codes: 0 success, 1 a notebook failed or a cluster file is invalid, 2 bad input (unknown
+notebook, malformed -p, a path that does not exist, databricks-bundles not installed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -57,6 +61,30 @@ def _course_run(args: argparse.Namespace) -> int:
     return 0 if all(r.status == "ok" for r in results) else 1
 
 
+def _clusters_validate(args: argparse.Namespace) -> int:
+    from dtlab import clusters
+
+    paths = args.paths or [os.path.relpath(p) for p in clusters.default_paths()]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing or not paths:
+        print(f"dtlab clusters validate: no such file: {', '.join(map(str, missing)) or 'no clusters/*.yml here'}",
+              file=sys.stderr)
+        return 2
+    invalid = 0
+    for path in paths:
+        try:
+            problems = clusters.validate(path)
+        except clusters.ClusterConfigError as exc:
+            print(f"dtlab clusters validate: {exc}", file=sys.stderr)
+            return 2
+        invalid += bool(problems)
+        print(f"ok       {path}" if not problems else f"INVALID  {path}")
+        for problem in problems:
+            print(f"  - {problem}")
+    print(f"{len(paths) - invalid} valid, {invalid} invalid")
+    return 1 if invalid else 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtlab", description="Helpers for the distributed-training course.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -88,6 +116,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--notebooks", default=None, help="notebook folder (default: ./notebooks)")
     run.add_argument("-q", "--quiet", action="store_true", help="do not stream cell output")
     run.set_defaults(func=_course_run)
+
+    clu = sub.add_parser("clusters", help="check Databricks cluster files and the bundle offline")
+    clusub = clu.add_subparsers(dest="clusters_command", required=True)
+    val = clusub.add_parser("validate", help="validate with databricks-bundles' strict models and GPU rules")
+    val.add_argument("paths", nargs="*", help="YAML files (default: clusters/*.yml and databricks.yml)")
+    val.set_defaults(func=_clusters_validate)
     return p
 
 

