@@ -6,7 +6,9 @@ One module per concept; import the one you need:
     dtlab.distributed  rank/world helpers, set-up and teardown, rank-0-only work, seeding
     dtlab.models       MLP, SmallResNet, TinyGPT, count_parameters
     dtlab.data         deterministic synthetic data, scikit-learn digits, DistributedLoader
-    dtlab.checkpoint   atomic save, safe load, training state with RNG, resume
+    dtlab.checkpoint   atomic save, safe load, exact training state, periodic Checkpointer
+    dtlab.resumable    the training loop that resumes exactly after being killed (notebook 10)
+    dtlab.tracking     MLflow from rank 0: local SQLite store, Databricks, local server
     dtlab.measure      StepTimer, throughput, profiler breakdown by training phase
     dtlab.live         LiveView: progress + loss curve in Jupyter, plain lines headless
     dtlab.launch       run a function (even one defined in a notebook) on N processes
@@ -18,6 +20,7 @@ One module per concept; import the one you need:
     dtlab.ds_config    build and validate DeepSpeed configs
     dtlab.precision    number formats; a DDP compression hook that counts its bytes
     dtlab.speedup      the speed-up model (compute vs all-reduce) and its measurement
+    dtlab.clusters     validate Databricks cluster files and the bundle offline
     dtlab.notebook     notebook parameters from Databricks widgets
     dtlab.course       run the course notebooks headless (``dtlab course run``)
 
