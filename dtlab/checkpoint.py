@@ -119,21 +119,16 @@ def _as_tuple(x: Any) -> Any:
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, epoch: int = 0,
                    step: int = 0, scheduler: Any = None, loader: Any = None, **extra: Any) -> dict[str, Any]:
     """Everything needed to continue training exactly: weights, optimizer, scheduler, position,
-    the data loader's place in its epoch, every rank's RNG states, and ``extra``.
+    the data loader's place in its epoch, the RNG states, and ``extra``.
 
     Pass the *unwrapped* model (``ddp_model.module``) so the keys carry no ``module.`` prefix and
-    the checkpoint loads into a plain model too. In a process group every rank must call this
-    (the RNG states of all ranks are gathered); usually only rank 0 then writes the result.
+    the checkpoint loads into a plain model too. It holds this rank's RNG state only and runs no
+    collective, so rank 0 alone may call it; ``Checkpointer.save`` adds every rank's RNG state.
     """
     import torch.distributed as dist
 
-    distributed = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size() if distributed else 1
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     state = {"model": model.state_dict(), "epoch": epoch, "step": step, "world_size": world, "rng": rng_state()}
-    if distributed and world > 1:
-        per_rank: list[Any] = [None] * world
-        dist.all_gather_object(per_rank, state["rng"])
-        state["rng_per_rank"] = per_rank
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     if scheduler is not None:
@@ -216,6 +211,17 @@ def save_on_rank0(path: str | os.PathLike, state: dict[str, Any]) -> None:
     distributed.barrier()
 
 
+def _all_ranks_rng() -> dict[str, Any]:
+    """``{"rng_per_rank": [...]}`` in a process group of several ranks (a collective), else ``{}``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {}
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, rng_state())
+    return {"rng_per_rank": per_rank}
+
+
 class Checkpointer:
     """Periodic checkpoints in one directory: every ``every_steps`` steps and/or every
     ``every_seconds`` seconds, written atomically, the newest ``keep`` kept.
@@ -280,7 +286,11 @@ class Checkpointer:
         return due
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write ``state`` as the checkpoint of ``step`` (rank 0), drop the oldest, then wait for all ranks."""
+        """Write ``state`` as the checkpoint of ``step`` (rank 0), drop the oldest, then wait for all ranks.
+
+        Every rank must call it: in a process group it gathers each rank's RNG state into the
+        checkpoint (dropout masks differ per rank), then waits at a barrier.
+        """
         from dtlab import distributed
 
         path = self.path(step)
@@ -290,6 +300,7 @@ class Checkpointer:
             raise CheckpointError(f"weights {bad[:3]} hold NaN or inf at step {step}; not saved, so the last good "
                                   f"checkpoint ({self.latest()}) stays. Fix: resume from it with a lower learning "
                                   "rate, gradient clipping, or a loss scaler.")
+        state = {**state, **_all_ranks_rng()}
         if distributed.is_main():
             save(path, state)
             for old in self.checkpoints()[:-self.keep]:
