@@ -39,12 +39,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-import json
 import re
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from dtlab import course
 
 #: The databricks-bundles release the course validates with (as pinned in requirements.txt).
 BUNDLES_PIN = "1.22.1"
@@ -335,15 +336,6 @@ def load(path: str | Path) -> Any:
         raise ClusterConfigError([f"{path}: not valid YAML: {exc}. Fix: check the indentation there"]) from exc
 
 
-def notebook_parameters(path: str | Path) -> list[str]:
-    """Names assigned in a notebook's ``parameters`` cell (what its base parameters may set)."""
-    nb = json.loads(Path(path).read_text())
-    for cell in nb["cells"]:
-        if cell["cell_type"] == "code" and "parameters" in cell.get("metadata", {}).get("tags", []):
-            return re.findall(r"^(\w+)\s*=", "".join(cell["source"]), flags=re.M)
-    return []
-
-
 def _job_problems(job: dict, where: str, base: Path) -> list[str]:
     """Tasks, job clusters and notebooks of one job of a bundle."""
     problems: list[str] = []
@@ -374,7 +366,7 @@ def _job_problems(job: dict, where: str, base: Path) -> list[str]:
             fix = f"did you mean {close[0]!r}?" if close else f"create it, or use one of {', '.join(others) or 'none'}"
             problems.append(f"{at}.notebook_task.notebook_path: {nb_task['notebook_path']} does not exist. Fix: {fix}")
             continue
-        names = notebook_parameters(nb_path)
+        names = list(course.notebook_parameters(nb_path))
         params = nb_task.get("base_parameters") or {}
         for name in params:
             if name not in names:

@@ -98,10 +98,19 @@ def parse_params(items: list[str]) -> dict[str, Any]:
 
 
 def notebook_parameters(path: Path) -> dict[str, Any]:
-    """The parameters a notebook declares in its ``parameters`` cell (name -> default source)."""
-    import papermill
+    """The parameters a notebook declares in its ``parameters`` cell (name -> default source).
 
-    return {name: info["default"] for name, info in papermill.inspect_notebook(str(path)).items()}
+    Read with Python's own parser: papermill's inspector skips a parameter whose comment holds
+    parentheses (notebook 11's ``use_spark``), which made ``-p use_spark=False`` "undeclared".
+    """
+    nb = json.loads(Path(path).read_text())
+    cell = next((c for c in nb["cells"] if c["cell_type"] == "code"
+                 and "parameters" in c.get("metadata", {}).get("tags", [])), None)
+    if cell is None:
+        return {}
+    source = "".join(cell["source"])
+    return {node.targets[0].id: ast.get_source_segment(source, node.value) for node in ast.parse(source).body
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)}
 
 
 def ci_parameters(path: Path) -> dict[str, Any]:

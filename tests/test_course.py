@@ -92,3 +92,18 @@ def test_ci_parameters_come_from_notebook_metadata(toy_course, tmp_path):
     assert result.status == "ok" and result.parameters == {"x": 5}
     executed = nbformat.read(run_dir / "00_ok.ipynb", as_version=4)
     assert "double 10" in "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
+
+
+@pytest.mark.parametrize("path", course.find_notebooks(None), ids=lambda p: p.stem)
+def test_every_parameter_of_every_notebook_is_found_with_its_default(path):
+    """papermill's inspector dropped 11's use_spark (a comment with parentheses) and glued the
+    widget call onto each notebook's last default; `-p use_spark=False` was refused as undeclared."""
+    import ast
+    import re
+
+    params = course.notebook_parameters(path)
+    cell = next("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+    widgets = re.search(r"apply_databricks_widgets\(globals\(\), \[(.*?)\]\)", cell, flags=re.S).group(1)
+    assert sorted(params) == sorted(re.findall(r'"(\w+)"', widgets))
+    for default in params.values():
+        ast.literal_eval(default)  # a plain value, nothing glued on
