@@ -14,48 +14,30 @@ Prints one line per trial and a summary table (Markdown).
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-from dtlab import checkpoint, launch, resumable
+from dtlab import checkpoint, faults, launch, resumable
 
 STEPS, EVERY = 40, 5
 
 
-def _write_forever(directory: str, size: int) -> None:
-    ckpt = checkpoint.Checkpointer(directory, every_steps=1, keep=2)
-    latest = ckpt.load_latest()                 # continue where the killed writer stopped, as a resume does
-    step = latest["step"] if latest else 0
-    while True:
-        step += 1
-        ckpt.save(step, {"model": {"w": torch.full((size,), float(step))}, "step": step})
-
-
 def kill_trials(n: int, rng: random.Random) -> dict:
-    ctx = multiprocessing.get_context("fork")
     ok = regressions = 0
     newest = 0
     with tempfile.TemporaryDirectory() as d:
         for trial in range(n):
             size = rng.choice([10_000, 1_000_000, 4_000_000])
-            writer = ctx.Process(target=_write_forever, args=(d, size), daemon=True)
-            writer.start()
-            time.sleep(rng.uniform(0.02, 0.5))
-            os.kill(writer.pid, signal.SIGKILL)
-            writer.join()
-            state = checkpoint.Checkpointer(d, every_steps=1, keep=2).load_latest()
+            state = faults.kill_checkpoint_writer(d, size, delay=rng.uniform(0.02, 0.5))
             good = state is not None and bool(torch.all(state["model"]["w"] == state["step"]))
-            good = good and len(list(Path(d).glob("step-*.pt"))) <= 3  # keep=2 (+1 if killed before pruning)
+            good = good and len(faults.checkpoint_files(d)) <= 3  # keep=2 (+1 if killed before pruning)
             regressions += state is not None and state["step"] < newest
             newest = max(newest, state["step"] if state else 0)
             ok += good
@@ -93,29 +75,12 @@ def restart_trials(n: int, rng: random.Random) -> dict:
             "median_seconds": sorted(o["seconds"] for o in outcomes)[n // 2]}
 
 
-def _stuck(timeout_s: float) -> dict | None:
-    import torch.distributed as dist
-
-    from dtlab import distributed
-
-    distributed.setup(timeout=timedelta(seconds=timeout_s))
-    if dist.get_rank() == 1:
-        time.sleep(timeout_s + 5)
-        return None
-    start = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(1))
-        return {"seconds": time.monotonic() - start, "raised": False}
-    except RuntimeError:
-        return {"seconds": time.monotonic() - start, "raised": True}
-
-
 def stuck_trials(n: int, timeout_s: float = 3.0) -> dict:
-    results = [launch.run(_stuck, timeout_s, nprocs=2, timeout=60)[0] for _ in range(n)]
+    results = [launch.run(faults.all_reduce_with_failing_peer, timeout_s, nprocs=2, timeout=60)[0] for _ in range(n)]
     for i, r in enumerate(results):
-        print(f"stuck {i + 1}: raised {r['raised']} after {r['seconds']:.2f} s (timeout {timeout_s} s)")
-    return {"trials": n, "ok": sum(r["raised"] for r in results), "max_seconds": max(r["seconds"] for r in results),
-            "timeout": timeout_s}
+        print(f"stuck {i + 1}: raised {r['error'] is not None} after {r['seconds']:.2f} s (timeout {timeout_s} s)")
+    return {"trials": n, "ok": sum(r["error"] is not None for r in results),
+            "max_seconds": max(r["seconds"] for r in results), "timeout": timeout_s}
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ One module per concept; import the one you need:
     dtlab.data         deterministic synthetic data, scikit-learn digits, DistributedLoader
     dtlab.checkpoint   atomic save, safe load, exact training state, periodic Checkpointer
     dtlab.resumable    the training loop that resumes exactly after being killed (notebook 10)
+    dtlab.faults       faults on purpose: kill a checkpoint writer, a stuck or dead peer
     dtlab.tracking     MLflow from rank 0: local SQLite store, Databricks, local server
     dtlab.measure      StepTimer, throughput, profiler breakdown by training phase
     dtlab.live         LiveView: progress + loss curve in Jupyter, plain lines headless

@@ -70,7 +70,7 @@ def check_uri(uri: str, timeout: float = 3.0) -> str:
     parsed = urlparse(uri)
     local_fix = "or unset MLFLOW_TRACKING_URI to log to a SQLite file in this folder"
     if parsed.scheme == "sqlite":
-        db = Path(parsed.path[1:] if parsed.path.startswith("//") else parsed.path)
+        db = _sqlite_file(uri)
         if str(db) not in ("", ":memory:") and not db.parent.is_dir():
             raise TrackingError(f"MLflow store {uri}: folder {db.parent} does not exist. "
                                 f"Fix: create it (os.makedirs({str(db.parent)!r})) {local_fix}.")
@@ -89,6 +89,12 @@ def check_uri(uri: str, timeout: float = 3.0) -> str:
                                 "Fix: run on Databricks, set DATABRICKS_HOST and DATABRICKS_TOKEN (from a secret), "
                                 f"{local_fix}.")
     return uri
+
+
+def _sqlite_file(uri: str) -> Path:
+    """The database file of a ``sqlite:///relative`` or ``sqlite:////absolute`` URI."""
+    path = urlparse(uri).path
+    return Path(path[1:] if path.startswith("//") else path)
 
 
 class Run:
@@ -195,8 +201,7 @@ def _experiment_id(name: str, uri: str) -> str:
         return experiment.experiment_id
     location = None
     if uri.startswith("sqlite:///"):
-        db = Path(urlparse(uri).path[1:] if urlparse(uri).path.startswith("//") else urlparse(uri).path)
-        location = (db.parent / "mlartifacts").resolve().as_uri()
+        location = (_sqlite_file(uri).parent / "mlartifacts").resolve().as_uri()
     try:
         return mlflow.create_experiment(name, artifact_location=location)
     except Exception:  # another process created it in the meantime

@@ -5,11 +5,9 @@ Every distributed result is compared with a run that never failed; equality is b
 """
 
 import json
-import multiprocessing
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +16,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from dtlab import checkpoint, data, launch, models, resumable
+from dtlab import checkpoint, data, faults, launch, models, resumable
 
 STEPS, EVERY, CRASH = 24, 5, 17  # 24 steps span two epochs of 16 batches: resume crosses an epoch boundary
 
@@ -74,63 +72,29 @@ def test_torchrun_restarts_after_a_kill_and_ends_with_the_fault_free_weights(ref
     assert torch.equal(final["weights"], reference[0]["weights"])
 
 
-def _write_forever(directory, size):
-    ckpt = checkpoint.Checkpointer(directory, every_steps=1, keep=2)
-    latest = ckpt.load_latest()                 # continue where the killed writer stopped, as a resume does
-    step = latest["step"] if latest else 0
-    while True:
-        step += 1
-        ckpt.save(step, {"model": {"w": torch.full((size,), float(step))}, "step": step})
-
-
 def test_kill_9_during_checkpoint_writes_never_loses_the_previous_checkpoint(tmp_path):
     """20 writers killed at random moments: a complete checkpoint is always there, and it never goes back."""
-    ctx = multiprocessing.get_context("fork")
     rng, newest, outcomes = random.Random(0), 0, []
     for trial in range(20):
-        writer = ctx.Process(target=_write_forever, args=(tmp_path, 1_000_000), daemon=True)
-        writer.start()
-        time.sleep(rng.uniform(0.05, 0.4))
-        os.kill(writer.pid, signal.SIGKILL)
-        writer.join()
-        state = checkpoint.Checkpointer(tmp_path, every_steps=1, keep=2).load_latest()
+        state = faults.kill_checkpoint_writer(tmp_path, 1_000_000, delay=rng.uniform(0.05, 0.4))
         assert state is not None, f"trial {trial}: nothing loadable"
         assert torch.all(state["model"]["w"] == state["step"]), f"trial {trial}: a checkpoint mixes two steps"
         assert state["step"] >= newest, f"trial {trial}: the newest checkpoint went back in time"
         outcomes.append(state["step"])
         newest = state["step"]
         # keep=2, plus at most one more when the kill fell between writing the new file and pruning
-        assert len(list(tmp_path.glob("step-*.pt"))) <= 3, "keep=2 was not honoured"
+        assert len(faults.checkpoint_files(tmp_path)) <= 3, "keep=2 was not honoured"
     assert len(outcomes) == 20 and not list(tmp_path.glob(".step-*.tmp"))  # a new Checkpointer swept temp files
 
 
-def _rank0_outcome(timeout_s, rank1_behaviour):
-    import torch.distributed as dist
-
-    from dtlab import distributed
-
-    distributed.setup(timeout=timedelta(seconds=timeout_s))
-    if dist.get_rank() == 1:
-        if rank1_behaviour == "die":
-            os._exit(1)
-        time.sleep(timeout_s + 5)
-        return None
-    start = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(4))
-        return {"seconds": time.monotonic() - start, "error": None}
-    except Exception as exc:
-        return {"seconds": time.monotonic() - start, "error": str(exc)}
-
-
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("behaviour", ["stuck", "die"])
+@pytest.mark.parametrize("behaviour", ["stuck", "dies"])
 def test_rank0_gets_an_error_within_the_timeout_when_its_peer_is_stuck_or_dead(behaviour):
-    if behaviour == "die":
+    if behaviour == "dies":
         with pytest.raises(launch.WorkerError, match="rank 1 failed: process exited with code 1"):
-            launch.run(_rank0_outcome, 3, behaviour, nprocs=2, timeout=30)
+            launch.run(faults.all_reduce_with_failing_peer, 3, behaviour, nprocs=2, timeout=30)
         return
-    outcome = launch.run(_rank0_outcome, 3, behaviour, nprocs=2, timeout=30)[0]
+    outcome = launch.run(faults.all_reduce_with_failing_peer, 3, behaviour, nprocs=2, timeout=30)[0]
     assert outcome["error"] is not None, "rank 0's all_reduce returned without its peer"
     assert outcome["seconds"] < 3 + 5, f"took {outcome['seconds']:.1f} s for a 3 s timeout"
     assert "timed out" in outcome["error"].lower() or "timeout" in outcome["error"].lower(), outcome["error"]

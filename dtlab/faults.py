@@ -1,0 +1,82 @@
+"""Faults on purpose, to watch recovery work.
+
+Used by the reliability tests (``tests/test_reliability.py``) and by ``benchmarks/fault_trials.py``,
+which repeats them many times. The SIGKILL of a training rank at a chosen step lives in
+``dtlab.resumable`` (``crash_at_step``).
+
+* ``kill_checkpoint_writer`` — start a process that writes checkpoints as fast as it can, kill it
+  with SIGKILL after ``delay`` seconds, and return the newest checkpoint a resumed run would load.
+* ``all_reduce_with_failing_peer`` — rank 1 gets stuck (or dies); rank 0 reports how long its
+  all-reduce took to fail.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtlab import checkpoint
+
+
+def write_checkpoints_forever(directory: str | os.PathLike, size: int, keep: int = 2) -> None:
+    """Write checkpoints until killed, continuing from the newest one as a resumed run does.
+
+    The checkpoint of step ``s`` holds ``size`` copies of ``s``, so a file that mixed two writes
+    would be caught by comparing its tensor with its ``step``.
+    """
+    ckpt = checkpoint.Checkpointer(directory, every_steps=1, keep=keep)
+    latest = ckpt.load_latest()
+    step = latest["step"] if latest else 0
+    while True:
+        step += 1
+        ckpt.save(step, {"model": {"w": torch.full((size,), float(step))}, "step": step})
+
+
+def kill_checkpoint_writer(directory: str | os.PathLike, size: int, delay: float, keep: int = 2) -> dict | None:
+    """Kill -9 a ``write_checkpoints_forever`` process after ``delay`` s; return ``load_latest()`` after it.
+
+    The writer is forked (it starts at once, with torch already imported), so the kill lands at
+    a random point of a write, a rename or a prune.
+    """
+    writer = multiprocessing.get_context("fork").Process(target=write_checkpoints_forever,
+                                                         args=(directory, size, keep), daemon=True)
+    writer.start()
+    time.sleep(delay)
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.join()
+    return checkpoint.Checkpointer(directory, every_steps=1, keep=keep).load_latest()
+
+
+def checkpoint_files(directory: str | os.PathLike) -> list[Path]:
+    """The complete checkpoint files in ``directory`` (``keep`` of them, one more if killed before pruning)."""
+    return sorted(Path(directory).glob("step-*.pt"))
+
+
+def all_reduce_with_failing_peer(timeout_s: float, how: str = "stuck") -> dict[str, Any] | None:
+    """Run under a launcher with 2 ranks: rank 1 is ``"stuck"`` (never joins) or ``"dies"`` (exits).
+
+    Rank 0 returns ``{"seconds": how long its all_reduce took, "error": the error text or None}``.
+    """
+    import torch.distributed as dist
+
+    from dtlab import distributed
+
+    distributed.setup(timeout=timedelta(seconds=timeout_s))     # the collective timeout
+    if dist.get_rank() == 1:
+        if how == "dies":
+            os._exit(1)
+        time.sleep(timeout_s + 5)
+        return None
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+        return {"seconds": time.monotonic() - start, "error": None}
+    except RuntimeError as exc:
+        return {"seconds": time.monotonic() - start, "error": str(exc)}
