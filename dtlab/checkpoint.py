@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from dtlab import distributed
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, read or applied; the message says why and what to do."""
@@ -125,10 +127,8 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     the checkpoint loads into a plain model too. It holds this rank's RNG state only and runs no
     collective, so rank 0 alone may call it; ``Checkpointer.save`` adds every rank's RNG state.
     """
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    state = {"model": model.state_dict(), "epoch": epoch, "step": step, "world_size": world, "rng": rng_state()}
+    state = {"model": model.state_dict(), "epoch": epoch, "step": step, "world_size": distributed.world_size(),
+             "rng": rng_state()}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     if scheduler is not None:
@@ -152,8 +152,6 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
     of processes; the data position cannot be resharded exactly, so the loader restarts the
     saved epoch from its beginning and the RNG is seeded afresh by you.
     """
-    import torch.distributed as dist
-
     if "model" not in state:
         raise CheckpointError(f"checkpoint has no 'model' entry (keys: {sorted(state)}); "
                               "it was not written by dtlab.checkpoint.training_state.")
@@ -176,7 +174,7 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
             raise CheckpointError(f"optimizer state does not fit: parameter groups of sizes {saved} in the "
                                   f"checkpoint, {now} now. Fix: create the optimizer over the same parameters "
                                   "(and groups) as the run that saved it.")
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = distributed.world_size()
     saved_world = int(state.get("world_size", world))
     new_world = saved_world != world
     if new_world and not allow_new_world_size:
@@ -194,9 +192,8 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
     if scheduler is not None and "scheduler" in state:
         scheduler.load_state_dict(state["scheduler"])
     if restore_rng and not new_world:
-        rank = dist.get_rank() if world > 1 else 0
         if "rng_per_rank" in state:
-            set_rng_state(state["rng_per_rank"][rank])
+            set_rng_state(state["rng_per_rank"][distributed.rank()])
         elif "rng" in state:
             set_rng_state(state["rng"])
     return int(state.get("epoch", 0)), int(state.get("step", 0))
@@ -204,8 +201,6 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
 
 def save_on_rank0(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """Rank 0 writes ``state``; every rank then waits, so nobody reads a file that is not there yet."""
-    from dtlab import distributed
-
     if distributed.is_main():
         save(path, state)
     distributed.barrier()
@@ -248,8 +243,6 @@ class Checkpointer:
             raise ValueError("Checkpointer needs every_steps or every_seconds (or both), e.g. every_steps=100.")
         if keep < 1:
             raise ValueError(f"keep={keep}: keep at least the newest checkpoint (keep=1); 2-3 is safer.")
-        from dtlab import distributed
-
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
@@ -291,8 +284,6 @@ class Checkpointer:
         Every rank must call it: in a process group it gathers each rank's RNG state into the
         checkpoint (dropout masks differ per rank), then waits at a barrier.
         """
-        from dtlab import distributed
-
         path = self.path(step)
         bad = [k for k, v in state.get("model", {}).items()
                if torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(v).all()]

@@ -250,17 +250,15 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
                 dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
                 if dead:
                     _drain(q, prefix_output)
-                    raise WorkerError(dead[0], f"process exited with code {procs[dead[0]].exitcode} without "
-                                      "returning (killed, out of memory, or a crash in native code)") from None
+                    raise WorkerError(dead[0], _exited(procs[dead[0]])) from None
                 continue
             if kind == "out":
                 _print(rank, a, b, prefix_output)
             elif kind == "error":
                 dead = _died_first(procs, results, rank)
                 if dead is not None:  # a peer that died makes the others fail: name the cause
-                    raise WorkerError(dead, f"process exited with code {procs[dead].exitcode} without returning "
-                                      f"(killed, out of memory, or a crash in native code); rank {rank} then "
-                                      f"failed with: {a.splitlines()[0] if a else ''}", b) from None
+                    raise WorkerError(dead, f"{_exited(procs[dead])}; rank {rank} then failed with: "
+                                      f"{a.splitlines()[0] if a else ''}", b) from None
                 raise WorkerError(rank, a, b)
             else:
                 results[rank] = cloudpickle.loads(a)
@@ -276,6 +274,11 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
         _drain(q, prefix_output)
         q.close()
     return [results[r] for r in range(nprocs)]
+
+
+def _exited(proc: Any) -> str:
+    return (f"process exited with code {proc.exitcode} without returning "
+            "(killed, out of memory, or a crash in native code)")
 
 
 def _died_first(procs: list, results: dict, failed: int, grace: float = 0.5) -> int | None:
