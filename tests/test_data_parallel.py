@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtlab import data_parallel, models
+from dtlab import models
 from dtlab.launch import run
+from dtlab.parallel import data_parallel
 
 TOL = 1e-5
 STEPS, LOCAL_BATCH, LR = 4, 6, 0.1

@@ -30,7 +30,7 @@ def train(stage):
     import torch.distributed as dist
 
     from dtlab import ds_config
-    from dtlab.zero import held_elements
+    from dtlab.parallel.zero import held_elements
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

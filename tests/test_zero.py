@@ -32,7 +32,7 @@ def train_sharded(kind, which="ours", split_groups=False, add_later=False):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from dtlab.zero import ShardedOptimizer, optimizer_state_bytes
+    from dtlab.parallel.zero import ShardedOptimizer, optimizer_state_bytes
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -90,7 +90,56 @@ def test_each_rank_holds_about_half_the_optimizer_state():
 
 
 def test_creating_it_before_init_process_group_names_the_fix():
-    from dtlab.zero import ShardedOptimizer
+    from dtlab.parallel.zero import ShardedOptimizer
 
     with pytest.raises(RuntimeError, match="after dist.init_process_group"):
         ShardedOptimizer(make_model("mlp").parameters(), torch.optim.AdamW)
+
+
+def _save_and_resume_sharded(path, resume):
+    """3 steps, checkpoint (every rank gathers the shards, rank 0 writes), then 2 more steps —
+    either straight on, or in a fresh model and ShardedOptimizer restored from the file."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dtlab import checkpoint
+    from dtlab.parallel.zero import ShardedOptimizer
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    xs, ys = make_batches("mlp", LOCAL_BATCH * world)
+    rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+
+    def build():
+        model = make_model("mlp")
+        return model, DDP(model), ShardedOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
+
+    def train(ddp, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            loss_of(ddp, "mlp", xs[step % STEPS][rows], ys[step % STEPS][rows]).backward()
+            opt.step()
+
+    model, ddp, opt = build()
+    train(ddp, opt, range(3))
+    state = checkpoint.training_state(model, optimizer=opt, step=3)       # a collective for ShardedOptimizer
+    full_state_entries = len(state["optimizer"]["state"])
+    if resume:
+        checkpoint.save_on_rank0(path, state)
+        model, ddp, opt = build()
+        checkpoint.restore(checkpoint.load(path), model, optimizer=opt)
+    train(ddp, opt, range(3, 5))
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dist.destroy_process_group()
+    return {"weights": weights, "entries": full_state_entries}
+
+
+def test_sharded_optimizer_state_is_consolidated_and_resumes_exactly(tmp_path):
+    straight = run(_save_and_resume_sharded, str(tmp_path / "a.pt"), False, nprocs=2)
+    resumed = run(_save_and_resume_sharded, str(tmp_path / "b.pt"), True, nprocs=2)
+    n_params = len(list(make_model("mlp").parameters()))
+    assert straight[0]["entries"] == n_params, "the state names every parameter, not only the local shard"
+    for a, b in zip(straight, resumed):
+        assert max_diff(a["weights"], b["weights"]) == 0, "the resumed run continues bit for bit"
+    plain = torch.optim.AdamW(make_model("mlp").parameters(), **ADAMW)
+    plain.load_state_dict(torch.load(tmp_path / "b.pt", weights_only=True)["optimizer"])  # torch's own format

@@ -50,7 +50,9 @@ class ShardedOptimizer(Optimizer):
         self.owner: dict[torch.Tensor, int] = {}
         self.local: Optimizer | None = None
         self._local_groups: list[int] = []  # global index of each local group
-        super().__init__(params, defaults)  # calls add_param_group for each group
+        # the real optimizer's full defaults (betas, eps, ...), so param_groups look like its own
+        full = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults).defaults
+        super().__init__(params, full)  # calls add_param_group for each group
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (e.g. unfrozen layers): its parameters are spread over the ranks too."""
@@ -95,8 +97,61 @@ class ShardedOptimizer(Optimizer):
                    for t in s.values() if torch.is_tensor(t))
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard only (consolidating the shards is left out for brevity)."""
-        return self.local.state_dict() if self.local is not None else {}
+        """The whole optimizer's state, consolidated from every rank's shard, in torch's usual format.
+
+        A collective: every rank must call it (the shards are gathered to all ranks). The result
+        is what a plain ``optimizer_class`` over the same parameters would return, so it can be
+        saved with ``dtlab.checkpoint.training_state`` and loaded by ``restore`` — into another
+        ``ShardedOptimizer`` (which keeps only its shard) or into a plain optimizer.
+        """
+        index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        mine: dict[int, Any] = {}
+        if self.local is not None:
+            for p, st in self.local.state.items():
+                mine[index[p]] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+        shards: list[Any] = [None] * self.world_size
+        dist.all_gather_object(shards, mine, group=self.group)
+        state: dict[int, Any] = {}
+        for shard in shards:
+            state.update(shard)
+        groups = []
+        for group in self.param_groups:
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": [index[p] for p in group["params"]]})
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a consolidated state (from ``state_dict`` or a plain optimizer): keep this rank's shard.
+
+        Raises:
+            ValueError: when the parameter groups differ in number or size from this optimizer's.
+        """
+        saved = [len(g["params"]) for g in state_dict["param_groups"]]
+        now = [len(g["params"]) for g in self.param_groups]
+        if saved != now:
+            raise ValueError(f"optimizer state has parameter groups of sizes {saved}, this optimizer {now}. "
+                             "Fix: build the optimizer over the same parameters (and groups) as the saved run.")
+        params = [p for g in self.param_groups for p in g["params"]]
+        for group, saved_group in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        if self.local is None:
+            return
+        local_params = [p for g in self.local.param_groups for p in g["params"]]
+        position = {id(p): i for i, p in enumerate(params)}
+        local_state = {}
+        for j, p in enumerate(local_params):
+            entry = state_dict["state"].get(position[id(p)], state_dict["state"].get(str(position[id(p)])))
+            if entry is not None:
+                local_state[j] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v)
+                                  for k, v in entry.items()}
+        local_groups = []
+        start = 0
+        for local_group, i in zip(self.local.param_groups, self._local_groups):
+            n = len(local_group["params"])
+            local_groups.append({**{k: v for k, v in self.param_groups[i].items() if k != "params"},
+                                 "params": list(range(start, start + n))})
+            start += n
+        self.local.load_state_dict({"state": local_state, "param_groups": local_groups})
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:

@@ -1,0 +1,22 @@
+"""Parallelism built from scratch: one file per strategy, each readable in one sitting.
+
+Each module is the naive-but-correct version of what a library does for you, with its own small
+communication helpers and no global state, so a learner can read it beside the library's API
+and the tests can compare it with a single process:
+
+    dtlab.parallel.data_parallel  DDP: per-tensor and bucketed gradient all-reduce, no_sync
+    dtlab.parallel.zero           ZeRO-1: optimizer state sharded over ranks; what a DeepSpeed rank holds
+
+Import the one you need, e.g. ``from dtlab.parallel.data_parallel import DataParallel``.
+"""
+
+import importlib
+
+#: The strategies, loaded on first use (``dtlab.parallel.zero`` works after ``import dtlab``).
+STRATEGIES = ("data_parallel", "zero")
+
+
+def __getattr__(name: str):
+    if name in STRATEGIES:
+        return importlib.import_module(f"dtlab.parallel.{name}")
+    raise AttributeError(f"module 'dtlab.parallel' has no attribute {name!r}. Strategies: {', '.join(STRATEGIES)}")
