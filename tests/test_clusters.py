@@ -185,3 +185,33 @@ def test_launch_templates_exist_and_set_the_network_environment():
 def test_shell_scripts_pass_shellcheck(script):
     result = subprocess.run([_shellcheck(), "--shell=bash", str(script)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_package_keeps_its_names_and_splits_by_concern():
+    import importlib
+
+    names = ["validate", "check", "load", "offers", "Offer", "find_root", "default_paths", "node_type",
+             "is_single_node", "cluster_problems", "schema_problems", "ClusterConfigError", "GPU_NODE_TYPES",
+             "NodeType", "BUNDLES_PIN"]
+    assert set(names) <= set(clusters.__all__) and all(hasattr(clusters, name) for name in clusters.__all__)
+    for part in ("problems", "schema", "rules", "bundle", "files", "offer"):
+        module = importlib.import_module(f"dtlab.clusters.{part}")
+        assert module.__doc__ and len(module.__doc__.split()) > 10, part
+        assert len(Path(module.__file__).read_text().splitlines()) < 250, f"{part}.py: one concern, short"
+
+
+def test_node_facts_come_from_dtlab_hardware():
+    from dtlab import hardware
+
+    assert clusters.GPU_NODE_TYPES is hardware.NODE_TYPES
+    four = clusters.offers(ROOT / "clusters" / "g5-12xlarge-4-nodes.yml")
+    assert four.gpu_memory_bytes == hardware.gpu("A10G").memory_bytes == 23_028 * 2**20
+    assert four.cluster.gpus == 16 and four.cluster.gpu is hardware.gpu("A10G") and four.cluster.nodes == 4
+    problems = clusters.cluster_problems({"node_type_id": "g6.12xlarge", "spark_version": "15.4.x-gpu-ml-scala2.12",
+                                          "num_workers": 2, "autotermination_minutes": 30})
+    assert any("not know" in p and "dtlab.hardware.NODE_TYPES" in p for p in problems), problems
+
+
+def test_find_root_falls_back_to_the_folder_above_the_package(tmp_path):
+    assert clusters.find_root(ROOT / "tests") == ROOT
+    assert (clusters.find_root(tmp_path) / "dtlab" / "clusters" / "__init__.py").is_file()

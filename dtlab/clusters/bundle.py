@@ -1,0 +1,163 @@
+"""Checks of a Databricks bundle (``databricks.yml``) and its jobs, and of credentials in any file.
+
+* top-level keys are bundle keys, and the bundle has a name;
+* ``${var.x}`` refers to a declared variable (and is replaced by its default before the checks);
+* each job passes the strict ``Job`` model; its tasks' ``depends_on`` and ``job_cluster_key``
+  exist, its notebooks exist, and ``base_parameters`` are parameters of the notebook (a widget
+  nobody reads is a typo); a notebook's ``nprocs`` does not exceed the GPUs of its node;
+* job clusters and ``resources.clusters`` follow the course's cluster rules (``rules.py``);
+* no literal credentials anywhere (only ``{{secrets/scope/key}}`` references).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any
+
+from dtlab import course
+from dtlab.clusters.problems import join, suggest
+from dtlab.clusters.rules import cluster_problems, node_type
+from dtlab.clusters.schema import model_problems, strict_models
+
+_VAR = re.compile(r"\$\{var\.([A-Za-z_][\w-]*)\}")
+_SECRET_REF = re.compile(r"^\{\{secrets/[^/{}]+/[^/{}]+\}\}$")
+_TOKEN_VALUE = re.compile(r"dapi[0-9a-f]{32}|ghp_[A-Za-z0-9]{36}|github_pat_\w{20,}|AKIA[0-9A-Z]{16}")
+_SECRET_KEY = re.compile(r"token|password|secret|api_?key", re.I)
+#: The top-level keys a bundle may have.
+BUNDLE_KEYS = ["bundle", "variables", "include", "workspace", "artifacts", "resources", "sync", "targets",
+               "permissions", "run_as", "presets", "experimental", "python", "scripts", "git"]
+
+
+def _resolve(value: Any, variables: dict[str, Any], problems: list[str], where: str = "") -> Any:
+    """Replace ``${var.name}`` with the variable's default (other ``${...}`` stay for the bundle)."""
+    if isinstance(value, dict):
+        return {k: _resolve(v, variables, problems, join(where, k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve(v, variables, problems, join(where, i)) for i, v in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+    for name in _VAR.findall(value):
+        if name not in variables:
+            problems.append(f"{where}: ${{var.{name}}} is not declared under variables. "
+                            f"Fix: {suggest(name, list(variables))}")
+    whole = _VAR.fullmatch(value)
+    if whole and whole.group(1) in variables:
+        return variables[whole.group(1)]
+    return _VAR.sub(lambda m: str(variables.get(m.group(1), m.group(0))), value)
+
+
+def secret_problems(value: Any, where: str = "") -> list[str]:
+    """Literal credentials anywhere in a loaded file (tokens belong in ``{{secrets/scope/key}}`` references).
+
+    Args:
+        value: the loaded YAML (any nesting of mappings and lists).
+        where: the key path of ``value`` ("" at the top).
+
+    Returns:
+        One problem per key that names a credential (token, password, secret, api key) with a literal
+        value, and per string that looks like a Databricks, GitHub or AWS token.
+    """
+    if isinstance(value, dict):
+        out = []
+        for k, v in value.items():
+            if isinstance(v, (str, int)) and not isinstance(v, bool) and _SECRET_KEY.search(str(k)) \
+                    and str(v).strip() and not _SECRET_REF.match(str(v)) and not str(v).startswith("${"):
+                out.append(f"{join(where, k)}: a literal credential. Fix: store it with `databricks secrets "
+                           f"put-secret <scope> <key>` and write \"{{{{secrets/<scope>/<key>}}}}\" here")
+            else:
+                out += secret_problems(v, join(where, k))
+        return out
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in secret_problems(v, join(where, i))]
+    if isinstance(value, str) and _TOKEN_VALUE.search(value):
+        return [f"{where}: looks like a token. Fix: use a secret reference \"{{{{secrets/<scope>/<key>}}}}\""]
+    return []
+
+
+def job_problems(job: dict, where: str, base: Path) -> list[str]:
+    """Tasks, job clusters and notebooks of one job of a bundle.
+
+    Args:
+        job: the job (``resources.jobs.<name>``), with variables already resolved.
+        where: its key path, e.g. ``resources.jobs.dtlab_course``.
+        base: the bundle's folder (notebook paths are relative to it).
+
+    Returns:
+        Problems as ``"key.path: what. Fix: how"``.
+    """
+    problems: list[str] = []
+    clusters = {c.get("job_cluster_key"): c.get("new_cluster") or {} for c in job.get("job_clusters") or []}
+    for i, spec in enumerate(clusters.values()):
+        problems += cluster_problems(spec, f"{where}.job_clusters[{i}].new_cluster", all_purpose=False)
+    tasks = job.get("tasks") or []
+    keys = [t.get("task_key") for t in tasks]
+    for i, task in enumerate(tasks):
+        at = f"{where}.tasks[{i}]"
+        if keys.count(task.get("task_key")) > 1:
+            problems.append(f"{at}.task_key: {task.get('task_key')!r} is used twice. Fix: make task keys unique")
+        for dep in task.get("depends_on") or []:
+            if dep.get("task_key") not in keys:
+                problems.append(f"{at}.depends_on: no task {dep.get('task_key')!r}. "
+                                f"Fix: {suggest(dep.get('task_key'), keys)}")
+        cluster_key = task.get("job_cluster_key")
+        if cluster_key is not None and cluster_key not in clusters:
+            problems.append(f"{at}.job_cluster_key: no job cluster {cluster_key!r}. "
+                            f"Fix: {suggest(cluster_key, list(clusters))}")
+        nb_task = task.get("notebook_task") or {}
+        if not nb_task.get("notebook_path"):
+            continue
+        nb_path = (base / nb_task["notebook_path"]).resolve()
+        if not nb_path.is_file():
+            others = [p.name for p in sorted(nb_path.parent.glob("*.ipynb"))]
+            close = difflib.get_close_matches(nb_path.name, others, n=1, cutoff=0.85)
+            fix = f"did you mean {close[0]!r}?" if close else f"create it, or use one of {', '.join(others) or 'none'}"
+            problems.append(f"{at}.notebook_task.notebook_path: {nb_task['notebook_path']} does not exist. Fix: {fix}")
+            continue
+        names = list(course.notebook_parameters(nb_path))
+        params = nb_task.get("base_parameters") or {}
+        for name in params:
+            if name not in names:
+                problems.append(f"{at}.notebook_task.base_parameters.{name}: {nb_path.name} has no parameter "
+                                f"{name!r} (a widget nobody reads). Fix: {suggest(name, names)}")
+        gpu = node_type(clusters.get(cluster_key) or {})
+        nprocs = str(params.get("nprocs", "None"))
+        if gpu and nprocs.isdigit() and int(nprocs) > gpu.gpus:
+            problems.append(f"{at}.notebook_task.base_parameters.nprocs: {nprocs} processes, but the notebook runs "
+                            f"on one {gpu.gpus}-GPU node. Fix: nprocs: \"{gpu.gpus}\" (or \"None\": one per GPU)")
+    return problems
+
+
+def bundle_problems(doc: dict, path: Path) -> list[str]:
+    """Everything wrong with a loaded bundle (``databricks.yml``), credentials aside.
+
+    Args:
+        doc: the loaded bundle.
+        path: its file (notebook paths are relative to its folder).
+
+    Returns:
+        Problems as ``"key.path: what. Fix: how"``.
+
+    Raises:
+        ClusterConfigError: when databricks-bundles is not installed.
+    """
+    Cluster, Job = strict_models()
+    problems = []
+    for key in doc:
+        if key not in BUNDLE_KEYS:
+            problems.append(f"{key}: unknown top-level key of a bundle. Fix: {suggest(key, BUNDLE_KEYS)}")
+    if not (doc.get("bundle") or {}).get("name"):
+        problems.append("bundle.name: a bundle needs a name. Fix: bundle: {name: dtlab-course}")
+    variables = {name: (v or {}).get("default") if isinstance(v, dict) else v
+                 for name, v in (doc.get("variables") or {}).items()}
+    resolved = _resolve(doc, variables, problems)
+    resources = resolved.get("resources") or {}
+    for name, job in (resources.get("jobs") or {}).items():
+        where = f"resources.jobs.{name}"
+        found = model_problems(Job, job, where)
+        problems += found or job_problems(job, where, path.parent)
+    for name, spec in (resources.get("clusters") or {}).items():
+        where = f"resources.clusters.{name}"
+        problems += model_problems(Cluster, spec, where) or cluster_problems(spec, where)
+    return problems
