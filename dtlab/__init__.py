@@ -13,11 +13,11 @@ One module per concept; import the one you need:
     dtlab.measure      StepTimer, throughput, profiler breakdown by training phase
     dtlab.live         LiveView: progress + loss curve in Jupyter, plain lines headless
     dtlab.launch       run a function (even one defined in a notebook) on N processes
-    dtlab.data_parallel  DDP from scratch: per-tensor and bucketed gradient all-reduce
+    dtlab.parallel     from-scratch strategies: data_parallel (DDP), zero (ZeRO-1), one file each
     dtlab.bandwidth    collective timing, algbw/busbw, memory-copy ceiling
     dtlab.spark        the Databricks Spark session, or a quiet local one
-    dtlab.zero         ZeRO-1 from scratch; what a DeepSpeed rank really holds
-    dtlab.memory       memory per GPU for DDP and ZeRO stages; DeepSpeed's estimators; advice
+    dtlab.hardware     GPUs, instance types and clusters: memory, FLOP/s, links (one home for these facts)
+    dtlab.memory       memory per GPU for DDP and ZeRO stages, activations; DeepSpeed's estimators; advice
     dtlab.ds_config    build and validate DeepSpeed configs
     dtlab.precision    number formats; a DDP compression hook that counts its bytes
     dtlab.speedup      the speed-up model (compute vs all-reduce) and its measurement
@@ -25,7 +25,25 @@ One module per concept; import the one you need:
     dtlab.notebook     notebook parameters from Databricks widgets
     dtlab.course       run the course notebooks headless (``dtlab course run``)
 
+Modules load on first use, so ``import dtlab`` is quick and ``dtlab.checkpoint`` just works.
 Try ``help(dtlab.checkpoint)``, or ``dtlab env`` in a shell.
 """
 
+import importlib
+
 __version__ = "0.1.0"
+
+#: The modules ``dtlab.<name>`` loads on first use (PEP 562).
+MODULES = ("environment", "distributed", "models", "data", "checkpoint", "resumable", "faults", "tracking",
+           "measure", "live", "launch", "parallel", "bandwidth", "spark", "memory", "ds_config", "precision",
+           "speedup", "clusters", "notebook", "course", "hardware", "cli")
+
+
+def __getattr__(name: str):
+    if name in MODULES:
+        return importlib.import_module(f"dtlab.{name}")
+    raise AttributeError(f"module 'dtlab' has no attribute {name!r}. Its modules: {', '.join(MODULES)}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *MODULES])

@@ -7,13 +7,14 @@
   turns a truncated or corrupt file into a ``CheckpointError`` that says what to do.
 * ``training_state`` / ``restore`` bundle and unbundle model, optimizer, position and RNG states,
   so a resumed run continues where it stopped.
-* ``save_on_rank0`` is the distributed form: rank 0 writes, everybody waits at a barrier.
+* ``save_on_rank0`` is the distributed form: rank 0 writes, and every rank learns whether it
+  worked (a failed write raises on every rank at once instead of leaving the others at a barrier).
 * ``Checkpointer``  saves every K steps or T seconds, keeps the newest M, and finds the newest
-  readable one to resume from.
+  readable one to resume from — chosen by rank 0, so every rank resumes from the same step.
 
->>> state = training_state(model, optimizer, epoch=3, step=120)      # doctest: +SKIP
->>> save("checkpoints/last.pt", state)                                # doctest: +SKIP
->>> epoch, step = restore(load("checkpoints/last.pt"), model, optimizer)  # doctest: +SKIP
+>>> state = training_state(model, optimizer=optimizer, epoch=3, step=120)       # doctest: +SKIP
+>>> save("checkpoints/last.pt", state)                                          # doctest: +SKIP
+>>> epoch, step = restore(load("checkpoints/last.pt"), model, optimizer=optimizer)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -118,14 +119,20 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, epoch: int = 0,
-                   step: int = 0, scheduler: Any = None, loader: Any = None, **extra: Any) -> dict[str, Any]:
+def training_state(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
+                   scheduler: Any = None, loader: Any = None, epoch: int = 0, step: int = 0,
+                   **extra: Any) -> dict[str, Any]:
     """Everything needed to continue training exactly: weights, optimizer, scheduler, position,
     the data loader's place in its epoch, the RNG states, and ``extra``.
 
+    Everything after ``model`` is a keyword (``restore`` takes the same keywords), so the two
+    cannot be called with their arguments in different orders.
+
     Pass the *unwrapped* model (``ddp_model.module``) so the keys carry no ``module.`` prefix and
     the checkpoint loads into a plain model too. It holds this rank's RNG state only and runs no
-    collective, so rank 0 alone may call it; ``Checkpointer.save`` adds every rank's RNG state.
+    collective of its own, so rank 0 alone may call it — unless the optimizer's ``state_dict`` is
+    itself a collective (``dtlab.parallel.zero.ShardedOptimizer`` gathers its shards: every rank
+    calls it then). ``Checkpointer.save`` adds every rank's RNG state.
     """
     state = {"model": model.state_dict(), "epoch": epoch, "step": step, "world_size": distributed.world_size(),
              "rng": rng_state()}
@@ -139,7 +146,7 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     return state
 
 
-def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+def restore(state: dict[str, Any], model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
             scheduler: Any = None, loader: Any = None, restore_rng: bool = True,
             allow_new_world_size: bool = False) -> tuple[int, int]:
     """Load ``state`` (from ``training_state``) into what is given; return ``(epoch, step)``.
@@ -200,10 +207,28 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
 
 
 def save_on_rank0(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """Rank 0 writes ``state``; every rank then waits, so nobody reads a file that is not there yet."""
+    """Rank 0 writes ``state``; every rank then learns the outcome, so nobody reads a file that is not
+    there yet, and a failed write raises ``CheckpointError`` on every rank (not a wait at a barrier)."""
+    _rank0_then_agree(lambda: save(path, state), f"saving {path}")
+
+
+def _rank0_then_agree(work: Callable[[], Any], what: str) -> None:
+    """Run ``work`` on rank 0; broadcast whether it succeeded; raise everywhere if it did not.
+
+    The broadcast is the synchronisation point (no separate barrier), and rank 0 re-raises its own
+    exception, so the first error stays the error.
+    """
+    error = None
     if distributed.is_main():
-        save(path, state)
-    distributed.barrier()
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 — told to the other ranks, then re-raised
+            error = exc
+    message = distributed.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise CheckpointError(f"rank 0 failed {what}: {message}")
 
 
 def _all_ranks_rng() -> dict[str, Any]:
@@ -229,7 +254,7 @@ class Checkpointer:
     >>> state = ckpt.load_latest()                   # None on a fresh start   # doctest: +SKIP
     >>> for step in range(start, total):                                       # doctest: +SKIP
     ...     train_one_step()
-    ...     ckpt.maybe_save(step + 1, lambda: training_state(model, optimizer, step=step + 1))
+    ...     ckpt.maybe_save(step + 1, lambda: training_state(model, optimizer=optimizer, step=step + 1))
 
     Weights that are NaN or infinite are never written (``CheckpointError``): a diverged step
     must not replace the last good checkpoint.
@@ -273,9 +298,7 @@ class Checkpointer:
         if self.every_seconds and not due:
             due = time.monotonic() - self._last_save >= self.every_seconds
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                flag = torch.tensor([int(due)])
-                dist.broadcast(flag, src=0)  # rank 0's clock decides for everyone
-                due = bool(flag.item())
+                due = bool(distributed.broadcast_object(due))  # rank 0's clock decides for everyone
         return due
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
@@ -292,11 +315,13 @@ class Checkpointer:
                                   f"checkpoint ({self.latest()}) stays. Fix: resume from it with a lower learning "
                                   "rate, gradient clipping, or a loss scaler.")
         state = {**state, **_all_ranks_rng()}
-        if distributed.is_main():
+
+        def write() -> None:
             save(path, state)
             for old in self.checkpoints()[:-self.keep]:
                 old.unlink(missing_ok=True)
-        distributed.barrier()
+
+        _rank0_then_agree(write, f"writing checkpoint {path}")
         self._last_save = time.monotonic()
         return path
 
@@ -309,17 +334,58 @@ class Checkpointer:
 
         A newest file that cannot be read (a disk fault; atomic writes never leave half a file)
         is reported and the one before it is used, so nothing more than one interval is lost.
+
+        In a process group every rank must call it: rank 0 chooses the file and tells the others,
+        so all ranks resume from the same step even when their folders differ (node-local disks)
+        or one read fails. A rank that cannot read rank 0's choice makes every rank raise.
         """
+        if distributed.world_size() == 1 or not _initialized():
+            return self._newest_readable(map_location)[0]
+        state, choice = None, None
+        if distributed.is_main():
+            try:
+                state, path = self._newest_readable(map_location)
+                choice = ("name", Path(path).name if path else None)
+            except CheckpointError as exc:
+                choice = ("error", str(exc))
+        kind, chosen = distributed.broadcast_object(choice)
+        if kind == "error":
+            raise CheckpointError(chosen)
+        if chosen is None:
+            return None
+        error = None
+        if not distributed.is_main():  # the same step, from this rank's own folder
+            try:
+                state = load(self.directory / chosen, map_location)
+                state.setdefault("path", str(self.directory / chosen))
+            except CheckpointError as exc:
+                error = exc
+        agreed = distributed.all_agree(error is None)
+        if not all(agreed):
+            failed = [r for r, ok in enumerate(agreed) if not ok]
+            raise CheckpointError(f"rank 0 chose {chosen} to resume from, but rank(s) {failed} cannot read it"
+                                  + (f" ({error})" if error else "") + ". Fix: make the checkpoint folder the same "
+                                  "on every node (shared storage), or copy the file to the ranks that lack it.")
+        return state
+
+    def _newest_readable(self, map_location: str | torch.device) -> tuple[dict[str, Any] | None, str | None]:
+        """``(state, path)`` of the newest readable checkpoint in this process's folder, or ``(None, None)``."""
         errors = []
         for path in reversed(self.checkpoints()):
             try:
                 state = load(path, map_location)
             except CheckpointError as exc:
                 errors.append(str(exc))
-                warnings.warn(f"skipping unreadable checkpoint {path.name}: {exc}", stacklevel=2)
+                warnings.warn(f"skipping unreadable checkpoint {path.name}: {exc}", stacklevel=3)
                 continue
             state.setdefault("path", str(path))
-            return state
+            return state, str(path)
         if errors:
             raise CheckpointError(f"no readable checkpoint in {self.directory}: {' | '.join(errors)}")
-        return None
+        return None, None
+
+
+def _initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()

@@ -1,22 +1,25 @@
 """The ``dtlab`` command line.
 
     dtlab env [--json]                          what this machine has, and the course's plan for it
-    dtlab memory --params 7e9 --gpus 16 --gpu-mem-gb 24
-                                                model-state memory per GPU for DDP and ZeRO 1-3
+    dtlab memory --params 7e9 [--cluster "g5.12xlarge x4"] [--recompute full] [...]
+                                                memory per GPU (model states + activations) for DDP
+                                                and ZeRO 1-3, what fits and why (dtlab memory -h)
     dtlab course list                           the notebooks, in order, with their parameters
-    dtlab course run [NOTEBOOK ...] [-p name=value ...] [--ci] [--runs DIR]
+    dtlab course run [NOTEBOOK ...] [-p name=value ...] [--ci] [--solutions] [--runs DIR]
                                                 run notebooks headless into runs/<timestamp>/
     dtlab clusters validate [PATH ...]          check cluster files and databricks.yml offline
                                                 (default: clusters/*.yml and databricks.yml)
 
 Exit codes: 0 success, 1 a notebook failed or a cluster file is invalid, 2 bad input (unknown
-notebook, malformed -p, a path that does not exist, databricks-bundles not installed).
+notebook, malformed -p, a path that does not exist, databricks-bundles not installed, a memory
+question with a non-positive size or an unknown GPU or cluster).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -32,7 +35,25 @@ def _env(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace) -> int:
     from dtlab import memory
 
-    print(memory.format_table(args.params, args.gpus, args.gpu_mem_gb, args.headroom, args.cpu_mem_gb_per_gpu))
+    shape = [args.layers, args.hidden, args.heads]
+    computed = [args.micro_batch, args.seq_len, args.recompute, *shape]
+    try:
+        if any(v is not None for v in shape) and None in shape:
+            raise ValueError("--layers, --hidden and --heads go together. Fix: give all three, or none (the shape "
+                             "then comes from --params)")
+        if args.activations_gb is not None and any(v is not None for v in computed):
+            raise ValueError("--activations-gb replaces the activations computed from --micro-batch, --seq-len, "
+                             "--recompute and the shape. Fix: give either --activations-gb or those options")
+        options = dict(cluster=args.cluster, gpu=args.gpu, cpu_gb_per_gpu=args.cpu_mem_gb_per_gpu,
+                       headroom=args.headroom, shape=None if None in shape else tuple(shape),
+                       micro_batch=memory.MICRO_BATCH if args.micro_batch is None else args.micro_batch,
+                       seq_len=memory.SEQ_LEN if args.seq_len is None else args.seq_len,
+                       recompute=args.recompute or "none",
+                       activations=None if args.activations_gb is None else args.activations_gb * memory.GB)
+        print(memory.format_table(args.params, args.gpus, args.gpu_mem_gb, **options))
+    except ValueError as exc:  # also dtlab.hardware.UnknownHardware
+        print(f"dtlab memory: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -51,7 +72,7 @@ def _course_run(args: argparse.Namespace) -> int:
     try:
         params = course.parse_params(args.param)
         run_dir, results = course.run(args.notebook, params, ci=args.ci, root=args.runs,
-                                      notebook_dir=args.notebooks, stream=not args.quiet)
+                                      notebook_dir=args.notebooks, stream=not args.quiet, solutions=args.solutions)
     except course.CourseError as exc:
         print(f"dtlab course run: {exc}", file=sys.stderr)
         return 2
@@ -85,6 +106,68 @@ def _clusters_validate(args: argparse.Namespace) -> int:
     return 1 if invalid else 0
 
 
+def _number(kind: type, low: float, high: float = math.inf, low_ok: bool = True, example: str = "1"):
+    """An argparse type: a finite ``kind`` in [low, high) (or (low, high)), else a message naming the fix."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}. Fix: e.g. {example}") from None
+        if not (math.isfinite(value) and (value >= low if low_ok else value > low) and value < high):
+            bounds = f"{'>=' if low_ok else '>'} {low:g}" + (f" and < {high:g}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"{text} is out of range. Fix: a finite value {bounds}, e.g. {example}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _memory_parser(sub) -> argparse.ArgumentParser:
+    from dtlab import hardware, memory
+
+    shapes = ", ".join(f"{s.name} = {s.n_layer}/{s.n_embd}/{s.n_head}" for s in memory.KNOWN_SHAPES.values())
+    mem = sub.add_parser(
+        "memory", help="per-GPU memory (model states + activations) of DDP and ZeRO stages: what fits, and why",
+        description="Memory per GPU of DDP, ZeRO 1-3 and offloading for a model on a cluster, with activations, "
+                    "in GB = 10^9 bytes; which strategy fits, and why. Exit 2 on bad input.")
+    mem.add_argument("--params", type=_number(float, 0, low_ok=False, example="7e9"), required=True,
+                     help="model parameters, e.g. 7e9 (required)")
+    mem.add_argument("--gpus", type=_number(int, 1, example="16"), default=None,
+                     help="data-parallel GPUs (default: the cluster's: 4 for g5.12xlarge, 16 for 'g5.12xlarge x4')")
+    mem.add_argument("--cluster", default=hardware.DEFAULT_CLUSTER,
+                     help=f"cluster from dtlab.hardware: {', '.join(hardware.CLUSTERS)}, or '<node type> xN' with a "
+                          f"node type from {', '.join(hardware.NODE_TYPES)}. Sets the GPU, its memory, the CPU "
+                          f"memory per GPU and the default --gpus (default: {hardware.DEFAULT_CLUSTER})")
+    mem.add_argument("--gpu", default=None, help=f"GPU type instead of the cluster's: {', '.join(hardware.GPUS)}")
+    mem.add_argument("--gpu-mem-gb", type=_number(float, 0, low_ok=False, example="24"), default=None,
+                     help="memory per GPU in GB, overriding the GPU's own (default: the GPU's as nvidia-smi reports "
+                          "it, e.g. A10G 24.15 GB = 23,028 MiB)")
+    mem.add_argument("--cpu-mem-gb-per-gpu", type=_number(float, 0, example="48"), default=None,
+                     help="CPU memory per GPU in GB for offloading (default: the cluster node's memory / its GPUs, "
+                          "e.g. g5.12xlarge 192 GiB / 4 = 51.5 GB)")
+    mem.add_argument("--headroom", type=_number(float, 0, 1, example=str(memory.HEADROOM)), default=memory.HEADROOM,
+                     help=f"share of memory left free for the CUDA context, buffers, fragmentation "
+                          f"(default {memory.HEADROOM})")
+    mem.add_argument("--micro-batch", type=_number(int, 1), default=None,
+                     help=f"sequences per GPU per step, for the activations (default {memory.MICRO_BATCH})")
+    mem.add_argument("--seq-len", type=_number(int, 1, example="2048"), default=None,
+                     help=f"tokens per sequence, for the activations (default {memory.SEQ_LEN})")
+    mem.add_argument("--recompute", choices=memory.RECOMPUTE, default=None,
+                     help="activation recomputation: none keeps everything, selective recomputes attention, full "
+                          "keeps only each layer's input (default none)")
+    mem.add_argument("--layers", type=_number(int, 1, example="32"), default=None,
+                     help="the model's layers, with --hidden and --heads (default: from --params, a known shape within "
+                          f"1.25x: {shapes} layers/hidden/heads; else derived with hidden = 128 x layers)")
+    mem.add_argument("--hidden", type=_number(int, 1, example="4096"), default=None,
+                     help="the model's hidden size (with --layers and --heads)")
+    mem.add_argument("--heads", type=_number(int, 1, example="32"), default=None,
+                     help="the model's attention heads (with --layers and --hidden)")
+    mem.add_argument("--activations-gb", type=_number(float, 0, example="0"), default=None,
+                     help="activation GB per GPU instead of computing them; 0 = model states only (the ZeRO paper's "
+                          "table)")
+    return mem
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtlab", description="Helpers for the distributed-training course.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -93,13 +176,7 @@ def parser() -> argparse.ArgumentParser:
     env.add_argument("--json", action="store_true", help="print the report as JSON")
     env.set_defaults(func=_env)
 
-    mem = sub.add_parser("memory", help="per-GPU memory of DDP and ZeRO stages, and which fits")
-    mem.add_argument("--params", type=float, required=True, help="model parameters, e.g. 7e9")
-    mem.add_argument("--gpus", type=int, required=True, help="total GPUs, e.g. 16")
-    mem.add_argument("--gpu-mem-gb", type=float, default=24.0, help="memory per GPU (default 24: A10G)")
-    mem.add_argument("--cpu-mem-gb-per-gpu", type=float, default=48.0,
-                     help="CPU memory per GPU for offload (default 48: g5.12xlarge)")
-    mem.add_argument("--headroom", type=float, default=0.8, help="share of memory for model states")
+    mem = _memory_parser(sub)
     mem.set_defaults(func=_memory)
 
     course = sub.add_parser("course", help="list or run the course notebooks")
@@ -112,6 +189,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
                      help="override a notebook parameter (repeatable), e.g. -p epochs=2")
     run.add_argument("--ci", action="store_true", help="use each notebook's small CI parameters")
+    run.add_argument("--solutions", action="store_true", help="also run the exercise solutions (skipped by default)")
     run.add_argument("--runs", default="runs", help="where run folders go (default: ./runs)")
     run.add_argument("--notebooks", default=None, help="notebook folder (default: ./notebooks)")
     run.add_argument("-q", "--quiet", action="store_true", help="do not stream cell output")

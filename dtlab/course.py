@@ -6,7 +6,16 @@ plots), whatever the notebooks wrote (checkpoints, the MLflow store), and ``summ
 Notebooks execute with that folder as their working directory, so nothing lands in the repo.
 
 A notebook may carry small "CI" parameters in its metadata (``metadata.dtlab.ci_parameters``);
-``ci=True`` uses them, so tests run the same notebooks in seconds rather than minutes.
+``ci=True`` uses them, so tests run the same notebooks in seconds rather than minutes. A second,
+different set (``metadata.dtlab.alt_parameters``: more processes, other batch sizes) is what the
+tests also run, so a lesson holds for any sensible parameters, not only its defaults.
+
+Exercise solutions are code cells tagged ``solution`` (collapsed in Jupyter). A course run skips
+them (``solutions=False``, the default: the learner tries first); the tests run them.
+
+Everything a notebook starts must end with it: each run gives the kernel a ``DTLAB_RUN_ID``, and
+any process that still carries it after the notebook finished is stopped and reported
+(``Result.leftovers``). The kernel's scratch folder (``DTLAB_SCRATCH``) is the run folder.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ class Result:
     failing_cell: int | None = None
     error: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    leftovers: list[str] = field(default_factory=list)  # processes the notebook left running (stopped)
 
 
 def default_notebook_dir() -> Path:
@@ -119,41 +129,92 @@ def ci_parameters(path: Path) -> dict[str, Any]:
     return dict(meta.get("dtlab", {}).get("ci_parameters", {}))
 
 
+def alt_parameters(path: Path) -> dict[str, Any]:
+    """A second parameter set the tests run on top of the CI one (``metadata.dtlab.alt_parameters``)."""
+    meta = json.loads(Path(path).read_text()).get("metadata", {})
+    return dict(meta.get("dtlab", {}).get("alt_parameters", {}))
+
+
+def without_solutions(path: Path, out: Path) -> Path:
+    """Write ``path`` to ``out`` without its exercise-solution cells (tag ``solution``); return ``out``."""
+    nb = json.loads(Path(path).read_text())
+    nb["cells"] = [c for c in nb["cells"] if "solution" not in c.get("metadata", {}).get("tags", [])]
+    out.write_text(json.dumps(nb, indent=1))
+    return out
+
+
+def stop_leftovers(run_id: str) -> list[str]:
+    """Stop every process whose environment carries ``DTLAB_RUN_ID=run_id``; return their command lines."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.pid == os.getpid() or proc.environ().get("DTLAB_RUN_ID") != run_id:
+                continue
+            found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    lines = []
+    for proc in found:
+        try:
+            lines.append(" ".join(proc.cmdline())[:300])
+            proc.kill()
+        except psutil.Error:
+            continue
+    return lines
+
+
 #: Seconds one cell may run before the notebook is stopped and reported as failed.
 CELL_TIMEOUT_S = 900
 
 
 def run_one(path: Path, run_dir: Path, params: dict[str, Any] | None = None, ci: bool = False,
-            stream: bool = True, cell_timeout: int = CELL_TIMEOUT_S) -> Result:
+            stream: bool = True, cell_timeout: int = CELL_TIMEOUT_S, solutions: bool = False,
+            alt: bool = False) -> Result:
     """Execute one notebook into ``run_dir`` (also its working directory) and return the Result.
 
+    ``ci`` uses the notebook's CI parameters, ``alt`` adds its second parameter set on top,
+    ``params`` override both. ``solutions=True`` also runs the exercise solutions.
     A cell running longer than ``cell_timeout`` seconds stops the notebook (a hang becomes a failure).
     """
+    import uuid
+
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
-    merged = {**(ci_parameters(path) if ci else {}), **(params or {})}
+    merged = {**(ci_parameters(path) if ci else {}), **(alt_parameters(path) if alt else {}), **(params or {})}
     out = run_dir / path.name
-    env_before = os.environ.get("DTLAB_HEADLESS")
-    os.environ["DTLAB_HEADLESS"] = "1"  # the kernel inherits it: LiveView prints lines instead of widgets
+    source = path if solutions else without_solutions(path, run_dir / f".{path.stem}.input.ipynb")
+    run_id = uuid.uuid4().hex
+    kernel_env = {"DTLAB_HEADLESS": "1",  # LiveView prints lines instead of widgets
+                  "DTLAB_RUN_ID": run_id,  # marks every process the notebook starts
+                  "DTLAB_SCRATCH": str(Path(run_dir).resolve())}  # checkpoints and scripts stay in the run
+    before = {k: os.environ.get(k) for k in kernel_env}
+    os.environ.update(kernel_env)  # the kernel inherits them
     start = time.perf_counter()
     try:
         papermill.execute_notebook(
-            str(path), str(out), parameters=merged, cwd=str(run_dir), kernel_name="python3",
+            str(source), str(out), parameters=merged, cwd=str(run_dir), kernel_name="python3",
             progress_bar=False, execution_timeout=cell_timeout, stdout_file=sys.stdout if stream else None,
             stderr_file=sys.stderr if stream else None)
-        return Result(path.stem, "ok", time.perf_counter() - start, str(out), parameters=merged)
+        result = Result(path.stem, "ok", time.perf_counter() - start, str(out), parameters=merged)
     except PapermillExecutionError as exc:
-        return Result(path.stem, "failed", time.perf_counter() - start, str(out), failing_cell=exc.cell_index,
-                      error=f"{exc.ename}: {exc.evalue}", parameters=merged)
+        result = Result(path.stem, "failed", time.perf_counter() - start, str(out), failing_cell=exc.cell_index,
+                        error=f"{exc.ename}: {exc.evalue}", parameters=merged)
     except Exception as exc:  # kernel died, timeout, unreadable notebook
-        return Result(path.stem, "failed", time.perf_counter() - start, str(out),
-                      error=f"{type(exc).__name__}: {exc}", parameters=merged)
+        result = Result(path.stem, "failed", time.perf_counter() - start, str(out),
+                        error=f"{type(exc).__name__}: {exc}", parameters=merged)
     finally:
-        if env_before is None:
-            os.environ.pop("DTLAB_HEADLESS", None)
-        else:
-            os.environ["DTLAB_HEADLESS"] = env_before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if source != path:
+            Path(source).unlink(missing_ok=True)
+    result.leftovers = stop_leftovers(run_id)
+    return result
 
 
 def new_run_dir(root: str | os.PathLike = "runs") -> Path:
@@ -168,7 +229,7 @@ def new_run_dir(root: str | os.PathLike = "runs") -> Path:
 
 def run(names: list[str] | None = None, params: dict[str, Any] | None = None, ci: bool = False,
         root: str | os.PathLike = "runs", notebook_dir: str | os.PathLike | None = None,
-        stream: bool = True) -> tuple[Path, list[Result]]:
+        stream: bool = True, solutions: bool = False) -> tuple[Path, list[Result]]:
     """Run the named notebooks (all when empty) into a new run folder; return it and the results.
 
     Raises:
@@ -189,9 +250,12 @@ def run(names: list[str] | None = None, params: dict[str, Any] | None = None, ci
     for nb in notebooks:
         own = {k: v for k, v in params.items() if k in notebook_parameters(nb)}
         print(f"[course] {nb.stem}: running{' (CI parameters)' if ci else ''} ...", flush=True)
-        result = run_one(nb, run_dir, own, ci=ci, stream=stream)
+        result = run_one(nb, run_dir, own, ci=ci, stream=stream, solutions=solutions)
         print(f"[course] {nb.stem}: {result.status} in {result.seconds:.1f} s"
               + (f" — cell {result.failing_cell}: {result.error}" if result.error else ""), flush=True)
+        if result.leftovers:
+            print(f"[course] {nb.stem}: stopped {len(result.leftovers)} process(es) it left running: "
+                  + "; ".join(result.leftovers), flush=True)
         results.append(result)
     write_summary(run_dir, results)
     return run_dir, results

@@ -103,6 +103,59 @@ class _SkipFirst(Sampler):
         return max(0, len(self.sampler) - self.skip)
 
 
+class _SeededBatches(Sampler):
+    """Batches of ``(key, index)`` pairs: ``key`` names the epoch and batch a sample belongs to."""
+
+    def __init__(self, sampler: Sampler, batch_size: int, drop_last: bool, epoch: int, first_batch: int):
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+        self.epoch, self.first_batch = epoch, first_batch
+
+    def __iter__(self) -> Iterator[list[tuple[tuple[int, int], int]]]:
+        batch, number = [], self.first_batch
+        for index in self.sampler:
+            batch.append(((self.epoch, number), index))
+            if len(batch) == self.batch_size:
+                yield batch
+                batch, number = [], number + 1
+        if batch and not self.drop_last:
+            yield batch
+
+    def __len__(self) -> int:
+        n = len(self.sampler)  # type: ignore[arg-type]
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+
+class _SeededDataset(Dataset):
+    """Reads ``(key, index)``: in a loader worker, seeds the RNGs from (seed, epoch, index) first.
+
+    A worker's random stream otherwise depends on which batches that worker happened to load
+    before, so random augmentation in ``num_workers > 0`` workers would differ after a resume.
+    Seeding per sample makes it a function of the sample alone. In the main process
+    (``num_workers=0``) nothing is seeded: the training RNG, which checkpoints restore, is used.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, item: tuple[tuple[int, int], int]):
+        (epoch, _batch), index = item
+        from torch.utils.data import get_worker_info
+
+        if get_worker_info() is not None:
+            import random
+
+            import numpy as np
+
+            sample_seed = (self.seed * 1_000_003 + epoch) * 1_000_003 + index
+            torch.manual_seed(sample_seed)
+            random.seed(sample_seed)
+            np.random.seed(sample_seed % 2**32)
+        return self.dataset[index]
+
+
 class DistributedLoader:
     """A DataLoader over this rank's share of ``dataset`` that reshuffles every epoch by itself
     and can say exactly where it is, so a resumed run sees the batches it had not seen yet.
@@ -112,7 +165,13 @@ class DistributedLoader:
     epoch, so it cannot be forgotten; ``set_epoch`` is still there to jump.
 
     ``state_dict()`` is the position (epoch and batches already handed out in it);
-    ``load_state_dict()`` makes the next pass start right after them, mid-epoch if need be.
+    ``load_state_dict()`` makes the next pass start right after them, mid-epoch if need be. A pass
+    that is left early (a ``break``, or ``zip(range(k), loader)``) ends its epoch: the next pass
+    starts the next epoch, and ``state_dict()`` says so as soon as the pass is left.
+
+    With ``num_workers > 0``, each sample's random augmentation in a worker is seeded from
+    (seed, epoch, sample index), so a resumed run sees the same augmented samples as one that
+    never stopped (a worker's own random stream would depend on which batches it loaded before).
 
     Args:
         dataset: the full dataset (identical on every rank).
@@ -137,6 +196,8 @@ class DistributedLoader:
         world_size = distributed.world_size() if world_size is None else world_size
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is outside world_size={world_size}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be at least 1 (samples per batch per rank)")
         self.dataset, self.batch_size, self.world_size, self.seed = dataset, batch_size, world_size, seed
         self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
                                           seed=seed, drop_last=drop_last)
@@ -144,6 +205,7 @@ class DistributedLoader:
         # start, so a run resumed mid-epoch would see other dropout masks than one that never stopped
         loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
         self.loader_kwargs = loader_kwargs
+        self.workers = int(loader_kwargs.get("num_workers", 0) or 0)
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, **loader_kwargs)
         self.epoch = 0
         self._skip = 0                 # batches to skip at the start of the next pass
@@ -160,15 +222,29 @@ class DistributedLoader:
         epoch, skip = self.epoch, self._skip
         self.sampler.set_epoch(epoch)
         self.epoch, self._skip = epoch + 1, 0
-        loader = self.loader if skip == 0 else DataLoader(
-            self.dataset, batch_size=self.batch_size, sampler=_SkipFirst(self.sampler, skip * self.batch_size),
-            **self.loader_kwargs)
+        self._position = (epoch, skip)  # a new pass: this is where the loader is now
+        loader = self._pass_loader(epoch, skip)
         done = skip
-        for batch in loader:
-            done += 1
-            self._position = (epoch, done)  # counted when handed out: a step on it may follow
-            yield batch
+        try:
+            for batch in loader:
+                done += 1
+                self._position = (epoch, done)  # counted when handed out: a step on it may follow
+                yield batch
+        except GeneratorExit:  # the pass was left early: the next one starts the next epoch
+            self._position = (epoch + 1, 0)
+            raise
         self._position = (epoch + 1, 0)
+
+    def _pass_loader(self, epoch: int, skip: int) -> DataLoader:
+        """The DataLoader of one pass, starting after ``skip`` batches of ``epoch``."""
+        sampler = self.sampler if skip == 0 else _SkipFirst(self.sampler, skip * self.batch_size)
+        if self.workers == 0:
+            if skip == 0:
+                return self.loader
+            return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler, **self.loader_kwargs)
+        kwargs = {k: v for k, v in self.loader_kwargs.items() if k not in ("batch_size", "shuffle", "sampler")}
+        batches = _SeededBatches(sampler, self.batch_size, False, epoch, skip)
+        return DataLoader(_SeededDataset(self.dataset, self.seed), batch_sampler=batches, **kwargs)
 
     def state_dict(self) -> dict[str, int]:
         """Where the loader is: ``epoch`` and ``batches_done`` in it (plus what must match on resume)."""

@@ -12,7 +12,7 @@ Typical worker::
     device = dd.setup()            # reads the launcher's env, picks backend, pins the GPU
     ...                            # train
     dd.print0("done")              # printed once, by rank 0
-    dd.teardown()                  # barrier, then destroy_process_group
+    dd.teardown()                  # barrier, then destroy_process_group (teardown(failed=True) on errors)
 """
 
 from __future__ import annotations
@@ -95,19 +95,28 @@ def free_port() -> int:
 def setup(backend: str | None = None, timeout: timedelta | None = None) -> torch.device:
     """Join the process group described by the launcher's environment variables.
 
-    Picks the backend with ``dtlab.environment.plan`` (nccl with GPUs, gloo without) unless one
-    is given, pins ``cuda:LOCAL_RANK`` on GPU machines, and uses ``DEFAULT_TIMEOUT`` so that a
-    dead peer raises instead of hanging. Returns the device this rank should use.
+    Picks the backend with ``dtlab.environment.plan`` for the ``LOCAL_WORLD_SIZE`` processes of this
+    machine (nccl with a GPU per process, gloo otherwise) unless one is given, pins
+    ``cuda:LOCAL_RANK`` when on GPUs, and uses ``DEFAULT_TIMEOUT`` so that a dead peer raises
+    instead of hanging. Returns the device this rank should use.
+
+    Without a launcher (no ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, e.g. the
+    training function called directly in a notebook cell to debug it) it starts a group of one
+    process on 127.0.0.1, as nanoGPT runs without torchrun: the same code, world size 1.
 
     Raises:
-        RuntimeError: when the launcher's variables are missing, naming the fix.
+        RuntimeError: when only some of the launcher's variables are set, naming the missing ones.
     """
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(f"setup() needs the launcher's environment variables; missing: {', '.join(missing)}. "
-                           "Fix: start this code with dtlab.launch.run, torchrun, TorchDistributor or the "
-                           "deepspeed launcher, which set them.")
-    p = plan(backend=backend, nprocs=1)  # nprocs=1: validate backend/device only
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    missing = [k for k in names if k not in os.environ]
+    if 0 < len(missing) < len(names):
+        raise RuntimeError(f"setup() found only some of the launcher's environment variables; missing: "
+                           f"{', '.join(missing)}. Fix: start this code with dtlab.launch.run, torchrun, "
+                           "TorchDistributor or the deepspeed launcher (which set all four), or unset them all "
+                           "to run as a single process.")
+    # The processes on this machine decide: more of them than GPUs means CPU processes with gloo
+    # (a one-GPU workstation running a 2-process lesson), as dtlab.environment.plan explains.
+    p = plan(backend=backend, nprocs=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if p.device == "cuda":
         device = torch.device("cuda", local_rank())
         torch.cuda.set_device(device)
@@ -115,12 +124,55 @@ def setup(backend: str | None = None, timeout: timedelta | None = None) -> torch
         device = torch.device("cpu")
     if not dist.is_initialized():
         timeout = timeout or DEFAULT_TIMEOUT
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if missing:  # no launcher: a world of one
+            dist.init_process_group(p.backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                    timeout=timeout)
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             dist.init_process_group(p.backend, store=_attempt_store(timeout), rank=rank(), world_size=world_size(),
                                     timeout=timeout)
         else:
             dist.init_process_group(p.backend, timeout=timeout)
     return device
+
+
+def local_device(device_type: str) -> torch.device:
+    """This rank's device for a plan's device type: ``cuda:LOCAL_RANK`` for ``"cuda"``, else the CPU.
+
+    Lessons write ``dev = local_device(cfg["device"])`` with ``cfg["device"]`` from
+    ``dtlab.environment.plan``, so no cell names a device itself.
+    """
+    if device_type == "cuda":
+        return torch.device("cuda", local_rank())
+    if device_type != "cpu":
+        raise ValueError(f"device type {device_type!r}: use a plan's device, 'cuda' or 'cpu'")
+    return torch.device("cpu")
+
+
+def collective_device() -> torch.device:
+    """Where a tensor must live to go through the current process group: the GPU for nccl, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``src``'s ``obj`` on every rank (any picklable value; works on gloo and nccl). Not distributed: ``obj``."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_agree(ok: bool) -> list[bool]:
+    """Every rank's ``ok``, in rank order, on every rank: a collective to agree on success *before*
+    a barrier, so one rank's failure becomes an error everywhere instead of a wait for the timeout."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [bool(ok)]
+    flags = torch.tensor([int(bool(ok))], device=collective_device())
+    gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flags)
+    return [bool(f.item()) for f in gathered]
 
 
 def _attempt_store(timeout: timedelta) -> dist.Store:
@@ -136,11 +188,19 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"dtlab/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
-def teardown() -> None:
-    """Leave the process group cleanly: a barrier first, so no rank exits while others still talk."""
+def teardown(failed: bool = False) -> None:
+    """Leave the process group.
+
+    Normally a barrier comes first, so no rank exits while others still talk. ``failed=True`` (call
+    it so from an ``except`` block) skips the barrier: a rank that raised must not wait for peers
+    that are busy elsewhere — it would sit out the whole timeout and then stack a barrier error on
+    top of the real one. Leaving at once closes its connections, so the peers' next collective fails
+    quickly too.
+    """
     if dist.is_available() and dist.is_initialized():
         try:
-            dist.barrier()
+            if not failed:
+                dist.barrier()
         finally:
             dist.destroy_process_group()
 

@@ -1,10 +1,16 @@
 """What this machine has, and how the course will run on it.
 
-The course runs the same code on a laptop CPU and on a GPU cluster. Everything that differs
-between the two is decided here, once:
+The course runs the same code on a laptop CPU, a one-GPU workstation and a GPU cluster.
+Everything that differs between them is decided here, once:
 
-* with CUDA GPUs: backend ``nccl``, device ``cuda``, one process per GPU;
-* without:        backend ``gloo``, device ``cpu``, ``DEFAULT_CPU_PROCESSES`` processes.
+* 2 or more CUDA GPUs: backend ``nccl``, device ``cuda``, one process per GPU;
+* one GPU:  a *multi-process* lesson runs ``DEFAULT_CPU_PROCESSES`` CPU processes with ``gloo``
+  (NCCL cannot put two ranks on one GPU, and one process teaches nothing about distribution);
+  *single-device* work (``plan(nprocs=1)``: the baseline, precision, matmul speed) uses the GPU;
+* no GPU: backend ``gloo``, device ``cpu``, ``DEFAULT_CPU_PROCESSES`` processes.
+
+Asking for more processes than GPUs without forcing a device gives CPU processes too (with the
+reason in ``Plan.reason``).
 
 Either can be forced (``plan(backend="gloo")`` on a GPU box, for instance), and a forced choice
 that cannot work (``nccl`` with no GPU, more GPU processes than GPUs) is refused with an error
@@ -58,14 +64,16 @@ def plan(backend: str | None = None, nprocs: int | None = None, device: str | No
 
     Args:
         backend: ``"nccl"`` or ``"gloo"`` to force one; ``None`` picks nccl with GPUs, gloo without.
-        nprocs: processes to start; ``None`` means one per GPU, or ``DEFAULT_CPU_PROCESSES`` on CPU.
-        device: ``"cuda"`` or ``"cpu"`` to force one; ``None`` follows the backend.
+        nprocs: processes to start; ``None`` means one per GPU with 2 or more GPUs, else
+            ``DEFAULT_CPU_PROCESSES`` CPU processes. More than the GPUs (device not forced): CPU processes.
+        device: ``"cuda"`` or ``"cpu"`` to force one; ``None`` follows the backend and the GPU count.
 
     Raises:
         ValueError: a forced choice this machine cannot run, with the fix in the message.
     """
     gpus = gpu_count()
     cores = os.cpu_count() or 1
+    forced_cpu = (device or "").lower() == "cpu" or (backend or "").lower() == "gloo"
     if backend is not None:
         backend = backend.lower()
         if backend not in ("nccl", "gloo"):
@@ -85,18 +93,25 @@ def plan(backend: str | None = None, nprocs: int | None = None, device: str | No
     if backend == "nccl" and device == "cpu":
         raise ValueError("nccl only moves CUDA tensors. Fix: use backend='gloo' for device='cpu'.")
 
+    if nprocs is not None and (not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1):
+        raise ValueError(f"nprocs={nprocs!r} must be a positive integer (or None for automatic), e.g. nprocs=2.")
+    # Can the GPUs take the processes, one each? (NCCL refuses two ranks on one GPU.)
+    wanted = nprocs if nprocs is not None else max(gpus, DEFAULT_CPU_PROCESSES)
+    gpus_fit = gpus >= 1 and wanted <= gpus
+    if device == "cuda" or backend == "nccl":
+        if nprocs is not None and nprocs > gpus:
+            raise ValueError(f"nprocs={nprocs} but this machine has {gpus} GPU(s); the course runs one process "
+                             f"per GPU. Fix: pass nprocs<={gpus}, or device='cpu' to run CPU processes.")
+        if nprocs is None and gpus < DEFAULT_CPU_PROCESSES and backend == "nccl":
+            raise ValueError(f"backend='nccl' for a multi-process lesson needs 2 or more GPUs; this machine has "
+                             f"{gpus}. Fix: leave backend unset (CPU processes with gloo), or pass nprocs=1.")
     if backend is None:
-        backend = "nccl" if gpus and device != "cpu" else "gloo"
+        backend = "nccl" if device != "cpu" and (device == "cuda" or gpus_fit) else "gloo"
     if device is None:
         device = "cuda" if backend == "nccl" else "cpu"
-
     if nprocs is None:
         nprocs = gpus if device == "cuda" else DEFAULT_CPU_PROCESSES
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs={nprocs!r} must be a positive integer (or None for automatic).")
-    if device == "cuda" and nprocs > gpus:
-        raise ValueError(f"nprocs={nprocs} but this machine has {gpus} GPU(s); the course runs one process "
-                         f"per GPU. Fix: pass nprocs<={gpus}, or device='cpu' to run CPU processes.")
+
     limit = MAX_CPU_PROCESSES_PER_CORE * cores
     if device == "cpu" and nprocs > limit:
         raise ValueError(f"nprocs={nprocs} CPU processes on {cores} core(s) is more than this machine can "
@@ -105,8 +120,11 @@ def plan(backend: str | None = None, nprocs: int | None = None, device: str | No
 
     if device == "cuda":
         reason = f"{gpus} CUDA GPU(s): {backend} with one process per GPU ({nprocs})"
-    elif gpus:
+    elif gpus and forced_cpu:
         reason = f"CPU forced on a machine with {gpus} GPU(s): gloo with {nprocs} CPU processes"
+    elif gpus:
+        reason = (f"{nprocs} processes but {gpus} GPU(s): NCCL needs one GPU per process, so gloo with {nprocs} "
+                  "CPU processes (single-device work still uses the GPU; pass nprocs<=GPUs to run on them)")
     else:
         reason = f"no CUDA GPU: gloo with {nprocs} CPU processes"
     return Plan(backend=backend, device=device, nprocs=nprocs, reason=reason)

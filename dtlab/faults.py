@@ -48,9 +48,11 @@ def kill_checkpoint_writer(directory: str | os.PathLike, size: int, delay: float
     writer = multiprocessing.get_context("fork").Process(target=write_checkpoints_forever,
                                                          args=(directory, size, keep), daemon=True)
     writer.start()
-    time.sleep(delay)
-    os.kill(writer.pid, signal.SIGKILL)
-    writer.join()
+    try:
+        time.sleep(delay)
+    finally:  # also on Ctrl-C or an error here: the writer must not outlive the call
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join()
     return checkpoint.Checkpointer(directory, every_steps=1, keep=keep).load_latest()
 
 

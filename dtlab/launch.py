@@ -16,14 +16,17 @@ works on notebook functions, lambdas and closures.
 
     run(hello, "hi", nprocs=2)   # -> ['hi from rank 0', 'hi from rank 1']
 
-Like torchrun, ``run`` only prepares each process's environment (``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``OMP_NUM_THREADS``);
-your function calls ``init_process_group`` itself, because that line is part of every lesson.
+Like torchrun, ``run`` only prepares each process's environment: the caller's ``os.environ`` *as it
+is at the call* (so an ``MLFLOW_TRACKING_URI``, ``NCCL_DEBUG`` or ``CUDA_VISIBLE_DEVICES`` set in the
+notebook a moment ago reaches the workers), plus ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``OMP_NUM_THREADS``; your function calls
+``init_process_group`` itself, because that line is part of every lesson.
 
 What it adds over a bare spawn:
 * results come back in rank order;
 * the first rank to raise stops the job: the others are killed and ``WorkerError`` names the rank
-  and carries its traceback;
+  and carries its traceback; a rank that dies (killed, a crash in native code, ``os._exit``) or
+  exits without returning is noticed the moment it exits, however much its peers print;
 * a job that runs past ``timeout`` seconds is killed and raises ``LaunchTimeout`` naming the
   ranks that had not finished (a hung collective, usually);
 * each worker's ``print`` output appears in the caller's output (a notebook cell), prefixed with
@@ -44,6 +47,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from typing import Any
 
 #: Seconds a launch may run before every worker is killed. Pass ``timeout=`` to change it.
@@ -133,6 +137,7 @@ def _worker(payload: bytes, rank: int, env: dict[str, str], q: Any) -> None:
     import cloudpickle
     import torch
 
+    os.environ.clear()  # the fork server's environment is as old as the first launch: use the caller's
     os.environ.update(env)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # torch was imported before the env was set
     _die_with_parent()
@@ -195,7 +200,7 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
             ``fn`` chooses its own backend in ``init_process_group``.
         timeout: seconds before every worker is killed and ``LaunchTimeout`` is raised.
         threads_per_process: torch/OpenMP threads per worker; default ``OMP_NUM_THREADS`` or 1.
-        env: extra environment variables for the workers.
+        env: extra environment variables for the workers (on top of the caller's ``os.environ``).
         prefix_output: print worker output as ``[rank k] ...`` (False: print it as is).
 
     Raises:
@@ -222,8 +227,9 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
     port = str(free_port())
     q = _ctx.Queue()
     procs = []
+    caller_env = dict(os.environ)  # read now, not when the fork server started
     for rank in range(nprocs):
-        worker_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+        worker_env = {**caller_env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                       "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                       "OMP_NUM_THREADS": threads, **(env or {})}
         procs.append(_ctx.Process(target=_worker, args=(payload, rank, worker_env, q), daemon=True,
@@ -240,28 +246,44 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
                                   "Fix: in a script, call it under `if __name__ == \"__main__\":` (notebooks "
                                   "need nothing).") from None
         deadline = time.monotonic() + timeout
+        sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
         while len(results) < nprocs:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise LaunchTimeout(timeout, [r for r in range(nprocs) if r not in results])
-            try:
-                kind, rank, a, b = q.get(timeout=min(remaining, 0.2))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
-                if dead:
-                    _drain(q, prefix_output)
-                    raise WorkerError(dead[0], _exited(procs[dead[0]])) from None
-                continue
-            if kind == "out":
-                _print(rank, a, b, prefix_output)
-            elif kind == "error":
-                dead = _died_first(procs, results, rank)
-                if dead is not None:  # a peer that died makes the others fail: name the cause
-                    raise WorkerError(dead, f"{_exited(procs[dead])}; rank {rank} then failed with: "
-                                      f"{a.splitlines()[0] if a else ''}", b) from None
-                raise WorkerError(rank, a, b)
-            else:
-                results[rank] = cloudpickle.loads(a)
+            # Wake up for a message *or* a worker's exit, whichever comes first.
+            ready = wait([q._reader, *sentinels], timeout=remaining)
+            for kind, rank, a, b in _messages(q):
+                if kind == "out":
+                    _print(rank, a, b, prefix_output)
+                elif kind == "error":
+                    dead = _died_first(procs, results, rank)
+                    if dead is not None:  # a peer that died makes the others fail: name the cause
+                        raise WorkerError(dead, f"{_exited(procs[dead])}; rank {rank} then failed with: "
+                                          f"{a.splitlines()[0] if a else ''}", b) from None
+                    raise WorkerError(rank, a, b)
+                else:
+                    results[rank] = cloudpickle.loads(a)
+            for sentinel in ready:
+                rank = sentinels.pop(sentinel, None)
+                if rank is None:
+                    continue  # the queue's reader
+                procs[rank].join(1)  # reap it, so exitcode is set
+                errors = []
+                for kind, r, a, b in _messages(q):  # what it (and others) sent just before it exited
+                    if kind == "out":
+                        _print(r, a, b, prefix_output)
+                    elif kind == "error":
+                        errors.append(WorkerError(r, a, b))
+                    else:
+                        results[r] = cloudpickle.loads(a)
+                own = [e for e in errors if e.rank == rank]
+                if own:  # it raised, reported it, and exited
+                    raise own[0]
+                if rank not in results:  # it exited without a result or an error: it is the cause
+                    raise WorkerError(rank, _exited(procs[rank])) from None
+                if errors:
+                    raise errors[0]
         deadline = time.monotonic() + 10
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -277,8 +299,21 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
 
 
 def _exited(proc: Any) -> str:
+    if proc.exitcode == 0:
+        return ("process exited with code 0 without returning a result (sys.exit(0) or os._exit(0) inside the "
+                "function?). Fix: let the function return")
     return (f"process exited with code {proc.exitcode} without returning "
             "(killed, out of memory, or a crash in native code)")
+
+
+def _messages(q: Any) -> list[tuple]:
+    """Everything in the queue right now (possibly nothing)."""
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
 
 
 def _died_first(procs: list, results: dict, failed: int, grace: float = 0.5) -> int | None:

@@ -7,6 +7,7 @@ synchronising for you when the device is CUDA, and nothing extra on CPU.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -114,3 +115,27 @@ def matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.
             a @ b
         best = min(best, t.total["mm"])
     return 2 * n**3 / best
+
+
+#: float32's machine epsilon: the relative rounding error of one operation is at most half of it.
+FLOAT32_EPS = 2.0**-23
+
+
+def reduction_tolerance(n_terms: int, steps: int, scale: float, eps: float = FLOAT32_EPS) -> float:
+    """How far two *correct* float32 trainings may drift apart when they sum the same numbers in a
+    different order: the bound every "N processes = one process" comparison of the course uses.
+
+    Summing ``n_terms`` numbers in another order changes the sum by at most about
+    ``n_terms x eps x`` (the sum of their magnitudes) (Higham, "Accuracy and Stability of Numerical
+    Algorithms", recursive summation). A gradient is such a sum over the batch (and, distributed,
+    over ranks); each of ``steps`` updates adds its rounding difference to the weights, whose
+    magnitude is ``scale`` (use the largest absolute weight). The bound is loose by design — real
+    differences are usually far smaller — and still tiny next to what a real bug does (a missing
+    average doubles the learning rate: differences of order ``scale``).
+
+    >>> round(reduction_tolerance(64, 10, 1.0), 7)
+    7.63e-05
+    """
+    if n_terms < 1 or steps < 1 or scale < 0 or not math.isfinite(scale):
+        raise ValueError(f"need n_terms >= 1, steps >= 1 and a finite scale >= 0 (got {n_terms}, {steps}, {scale})")
+    return n_terms * eps * steps * max(scale, eps)

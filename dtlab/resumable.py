@@ -73,7 +73,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     step, resumed_from = 0, None
     state = ckpt.load_latest()
     if state is not None and cfg["resume"] == "all":         # resume: everything, not just the weights
-        _, step = checkpoint.restore(state, model, optimizer, scheduler, loader)
+        _, step = checkpoint.restore(state, model, optimizer=optimizer, scheduler=scheduler, loader=loader)
         resumed_from = step
     elif state is not None:                                  # the common mistake: weights and step only
         model.load_state_dict(state["model"])
@@ -93,7 +93,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
             computed.append(step)
             losses.append(loss.item())
             ckpt.maybe_save(step, lambda s=step: checkpoint.training_state(
-                model, optimizer, step=s, scheduler=scheduler, loader=loader))
+                model, optimizer=optimizer, step=s, scheduler=scheduler, loader=loader))
             if step == cfg["crash_at_step"] and rank == cfg["crash_rank"] and attempt(cfg) == 0:
                 os.kill(os.getpid(), signal.SIGKILL)         # a preempted node: no exception, no cleanup
             if step == cfg["steps"]:
@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = vars(p.parse_args(argv))
     try:
         train(cfg)
-    finally:
-        distributed.teardown()
+    except BaseException:
+        distributed.teardown(failed=True)  # the first error stays the error; no wait for peers
+        raise
+    distributed.teardown()
 
 
 if __name__ == "__main__":

@@ -32,10 +32,26 @@ appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
 """
 
 
+_FOLDER: list[Path] = []
+
+
+def _folder() -> Path:
+    """This process's own scratch folder for Spark's config files, removed when the process exits.
+
+    (A fixed name under /tmp would be shared, and overwritten, by every notebook and test at once.)
+    """
+    if not _FOLDER:
+        import atexit
+        import shutil
+
+        folder = Path(tempfile.mkdtemp(prefix="dtlab-spark-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _FOLDER.append(folder)
+    return _FOLDER[0]
+
+
 def _write(name: str, text: str, executable: bool = False) -> Path:
-    folder = Path(tempfile.gettempdir()) / f"dtlab-spark-{os.getuid()}"
-    folder.mkdir(exist_ok=True)
-    path = folder / name
+    path = _folder() / name
     path.write_text(text)
     if executable:
         path.chmod(0o755)

@@ -9,7 +9,8 @@ Where runs go (``default_uri``):
 
 * ``MLFLOW_TRACKING_URI`` if it is set (MLflow 3's ``set_tracking_uri`` sets it too, so the
   last store used in this process stays the default);
-* ``databricks`` on Databricks (experiments are workspace paths, e.g. ``/Shared/dtlab/ddp``);
+* ``databricks`` on Databricks (experiments are workspace paths, ``/Shared/dtlab-<name>``: MLflow
+  refuses an experiment whose parent folder does not exist, and ``/Shared`` exists in every workspace);
 * otherwise a SQLite file ``mlflow.db`` in the current folder, artifacts beside it.
 
 ``local_server`` starts an MLflow tracking server bound to 127.0.0.1 for a UI or for
@@ -57,8 +58,14 @@ def default_uri(directory: str | os.PathLike = ".") -> str:
 
 
 def experiment_path(name: str) -> str:
-    """Databricks needs workspace paths for experiments; elsewhere the name is used as is."""
-    return f"/Shared/dtlab/{name}" if on_databricks() and not name.startswith("/") else name
+    """Databricks needs workspace paths for experiments; elsewhere the name is used as is.
+
+    On Databricks a bare name becomes ``/Shared/dtlab-<name>``: the workspace refuses to create an
+    experiment in a folder that does not exist (``RESOURCE_DOES_NOT_EXIST``), and of the folders a
+    fresh workspace has, ``/Shared`` is the one every user may write to. A name that already is a
+    path (``/Users/you@example.com/my-exp``) is used as given: its folder must exist.
+    """
+    return f"/Shared/dtlab-{name}" if on_databricks() and not name.startswith("/") else name
 
 
 def check_uri(uri: str, timeout: float = 3.0) -> str:
@@ -71,7 +78,7 @@ def check_uri(uri: str, timeout: float = 3.0) -> str:
     local_fix = "or unset MLFLOW_TRACKING_URI to log to a SQLite file in this folder"
     if parsed.scheme == "sqlite":
         db = _sqlite_file(uri)
-        if str(db) not in ("", ":memory:") and not db.parent.is_dir():
+        if str(db) not in ("", ":memory:", ".") and not db.parent.is_dir():
             raise TrackingError(f"MLflow store {uri}: folder {db.parent} does not exist. "
                                 f"Fix: create it (os.makedirs({str(db.parent)!r})) {local_fix}.")
     elif parsed.scheme in ("http", "https"):
@@ -92,9 +99,15 @@ def check_uri(uri: str, timeout: float = 3.0) -> str:
 
 
 def _sqlite_file(uri: str) -> Path:
-    """The database file of a ``sqlite:///relative`` or ``sqlite:////absolute`` URI."""
-    path = urlparse(uri).path
-    return Path(path[1:] if path.startswith("//") else path)
+    """The database file of a ``sqlite:///relative`` or ``sqlite:////absolute`` URI, as SQLAlchemy reads it.
+
+    Three slashes and a name is a path relative to the working directory (``sqlite:///mlflow.db`` is
+    ``./mlflow.db``, not ``/mlflow.db``); four slashes start an absolute path.
+    """
+    path = urlparse(uri).path  # "/mlflow.db" for three slashes, "//abs/mlflow.db" for four
+    if path in ("", "/", "/:memory:"):
+        return Path(":memory:") if path == "/:memory:" else Path("")
+    return Path(path[1:]).absolute()
 
 
 class Run:
@@ -273,7 +286,8 @@ def local_server(directory: str | os.PathLike = ".", port: int | None = None, ti
            "--backend-store-uri", f"sqlite:///{directory / 'mlflow.db'}",
            "--artifacts-destination", str(directory / "mlartifacts"), "--workers", "1"]
     log = open(directory / "mlflow-server.log", "w")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # Its own process group: `mlflow server` starts worker processes, and all of them must stop with it.
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
@@ -288,12 +302,38 @@ def local_server(directory: str | os.PathLike = ".", port: int | None = None, ti
                 time.sleep(0.5)
         yield uri
     finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        _stop_group(server)
         log.close()
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM a process and everything in its process group; SIGKILL what is left after 10 s."""
+    import signal
+
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        if not _group_alive(proc.pid):
+            break
+        deadline = time.monotonic() + wait_s  # the CLI exited; its workers may take a moment longer
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not _group_alive(proc.pid):
+            break
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def port_is_open(port: int, host: str = "127.0.0.1") -> bool:

@@ -12,3 +12,47 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
+
+
+# --- nothing a test starts may outlive it ----------------------------------------------------------
+
+import time  # noqa: E402
+
+import psutil  # noqa: E402
+
+#: Long-lived helpers of this test process, started once and reused by design.
+_SHARED = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+
+def _descendants() -> dict[int, str]:
+    """Live processes below this one, except the shared helpers themselves (their children count)."""
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmdline = " ".join(p.cmdline())[:200]
+            if p.ppid() == os.getpid() and any(name in cmdline for name in _SHARED):
+                continue  # the fork server itself, not a worker forked from it
+            out[p.pid] = cmdline
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test():
+    before = set(_descendants())
+    yield
+    deadline = time.monotonic() + 15
+    while True:
+        left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    assert not left, f"processes started by this test are still running: {left}"

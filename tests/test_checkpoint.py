@@ -31,13 +31,14 @@ def test_round_trip_restores_weights_optimizer_position_and_rng(tmp_path):
     torch.manual_seed(7)
     random.seed(7)
     np.random.seed(7)
-    path = checkpoint.save(tmp_path / "ck.pt", checkpoint.training_state(model, opt, epoch=2, step=30, note="x"))
+    state = checkpoint.training_state(model, optimizer=opt, epoch=2, step=30, note="x")
+    path = checkpoint.save(tmp_path / "ck.pt", state)
     expected = (random.random(), float(np.random.rand()), torch.rand(3))
 
     fresh, fresh_opt = models.MLP(8, 16, 3, depth=1), None
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
     state = checkpoint.load(path)
-    assert checkpoint.restore(state, fresh, fresh_opt) == (2, 30) and state["note"] == "x"
+    assert checkpoint.restore(state, fresh, optimizer=fresh_opt) == (2, 30) and state["note"] == "x"
     got = (random.random(), float(np.random.rand()), torch.rand(3))
     assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
     for a, b in zip(model.parameters(), fresh.parameters()):
@@ -116,7 +117,7 @@ def test_loading_uses_weights_only(tmp_path):
 
 def test_a_checkpoint_for_another_shape_is_refused_and_the_model_untouched(tmp_path):
     model, opt = _trained_pair()
-    path = checkpoint.save(tmp_path / "ck.pt", checkpoint.training_state(model, opt))
+    path = checkpoint.save(tmp_path / "ck.pt", checkpoint.training_state(model, optimizer=opt))
     other = models.MLP(8, 32, 3, depth=1)
     before = [p.clone() for p in other.parameters()]
     with pytest.raises(checkpoint.CheckpointError, match=r"net\.0\.weight: checkpoint \(16, 8\) vs model \(32, 8\)"):

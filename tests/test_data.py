@@ -57,3 +57,65 @@ def test_distributed_loader_rejects_a_rank_outside_the_world():
 def test_slow_dataset_wraps_items():
     ds = data.SlowDataset(data.synthetic_classification(4), delay_s=0)
     assert len(ds) == 4 and ds[0][0].shape == (64,)
+
+
+def _labels(batches):
+    return [y.tolist() for _, y in batches]
+
+
+def test_a_pass_left_early_ends_its_epoch_and_the_state_says_so():
+    """`break` or `zip(range(k), loader)`: the next pass starts the next epoch, and state_dict() must
+    name that position, so a run resumed from it sees what the run that went on saw."""
+    dataset = data.synthetic_classification(96)
+    going_on = data.DistributedLoader(dataset, batch_size=8, rank=0, world_size=2, seed=5)
+    _ = list(zip(range(3), going_on))               # three steps, then the pass is abandoned
+    state = going_on.state_dict()
+    assert (state["epoch"], state["batches_done"]) == (1, 0), state
+    next_pass = _labels(going_on)
+    resumed = data.DistributedLoader(dataset, batch_size=8, rank=0, world_size=2, seed=5)
+    resumed.load_state_dict(state)
+    assert _labels(resumed) == next_pass
+
+
+def test_a_pass_in_progress_reports_its_position_and_a_new_pass_resets_it():
+    loader = data.DistributedLoader(data.synthetic_classification(64), batch_size=8, rank=0, world_size=1, seed=1)
+    it = iter(loader)
+    next(it), next(it)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batches_done"]) == (0, 2)
+    again = iter(loader)                            # a second pass while the first one is still referenced
+    next(again)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batches_done"]) == (1, 1)
+
+
+class _Augmented(torch.utils.data.Dataset):
+    """Each read adds fresh random noise, as random augmentation in a loader worker does."""
+
+    def __init__(self, n=48):
+        self.x = torch.arange(float(n)).unsqueeze(1)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + torch.rand(1), i
+
+
+def test_worker_augmentation_resumes_exactly_mid_epoch():
+    def loader():
+        return data.DistributedLoader(_Augmented(), batch_size=4, rank=1, world_size=2, seed=7, num_workers=2)
+
+    straight = loader()
+    reference = [x for _ in range(2) for x, _ in straight]          # two epochs, never stopped
+    first = loader()
+    seen = []
+    for x, _ in first:
+        seen.append(x)
+        if len(seen) == 4:
+            state = first.state_dict()                              # checkpoint mid-epoch, then "killed"
+            break
+    second = loader()
+    second.load_state_dict(state)
+    seen += [x for _ in range(2) for x, _ in second][: len(reference) - 4]
+    assert len(seen) == len(reference)
+    assert all(torch.equal(a, b) for a, b in zip(seen, reference)), "augmentation differed after the resume"
+    assert not torch.equal(reference[0], reference[len(reference) // 2]), "epochs are augmented differently"

@@ -33,11 +33,29 @@ def test_setup_teardown_and_rank_helpers_on_two_processes():
     assert results[0]["timeout_s"] == float(os.environ["DTLAB_TIMEOUT_S"])
 
 
-def test_setup_without_launcher_variables_names_the_fix(monkeypatch):
+def test_setup_with_some_launcher_variables_missing_names_them(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    with pytest.raises(RuntimeError, match="torchrun"):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="missing: WORLD_SIZE, MASTER_ADDR, MASTER_PORT.*torchrun"):
         distributed.setup()
+
+
+def test_setup_without_a_launcher_runs_as_one_process():
+    """A learner calls the training function directly in a notebook cell to debug it."""
+    import subprocess
+    import sys
+
+    code = ("import torch, torch.distributed as dist\n"
+            "from dtlab import distributed\n"
+            "device = distributed.setup()\n"
+            "t = torch.ones(1, device=device); dist.all_reduce(t)\n"
+            "print(dist.get_world_size(), distributed.rank(), t.item(), device.type)\n"
+            "distributed.teardown()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "0", "1.0", "cpu"]
 
 
 def test_single_process_defaults(monkeypatch):
@@ -78,3 +96,45 @@ def test_free_port_is_bindable():
     port = distributed.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def _fails_on_rank_1_while_rank_0_communicates():
+    import time
+
+    distributed.setup()
+    start = time.monotonic()
+    try:
+        if distributed.rank() == 1:
+            raise ValueError("rank 1's real error")
+        dist.all_reduce(torch.ones(1000))          # rank 0 is busy in a collective rank 1 never joins
+        outcome = "all_reduce returned"
+    except BaseException as exc:
+        distributed.teardown(failed=True)
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    distributed.teardown()
+    return {"error": None, "outcome": outcome, "seconds": time.monotonic() - start}
+
+
+def test_a_failing_rank_leaves_at_once_and_its_peer_fails_fast_not_at_the_timeout(monkeypatch):
+    # The gloo timeout here is 60 s (DTLAB_TIMEOUT_S, conftest). With a barrier in teardown's
+    # `finally`, rank 1 sat in it until then and rank 0's all_reduce waited as long.
+    results = run_on(2, _fails_on_rank_1_while_rank_0_communicates)
+    assert results[1]["error"] == "ValueError: rank 1's real error", "the first error stays the error"
+    assert results[1]["seconds"] < 5
+    assert results[0]["error"] is not None, "rank 0's all_reduce could not have succeeded"
+    assert results[0]["seconds"] < 30, f"rank 0 waited {results[0]['seconds']:.0f} s, as if for the timeout"
+
+
+def _agree_and_broadcast(values):
+    distributed.setup()
+    out = {"agree": distributed.all_agree(values[distributed.rank()]),
+           "broadcast": distributed.broadcast_object({"from": distributed.rank()}, src=1),
+           "device": distributed.collective_device().type}
+    distributed.teardown()
+    return out
+
+
+def test_all_agree_and_broadcast_object():
+    results = run_on(2, _agree_and_broadcast, [True, False])
+    assert all(r["agree"] == [True, False] for r in results)
+    assert all(r["broadcast"] == {"from": 1} and r["device"] == "cpu" for r in results)

@@ -88,3 +88,65 @@ def test_horovod_without_pytorch_support_is_reported(monkeypatch):
 
 def test_java_is_present_for_spark():
     assert environment.java_version() is not None
+
+
+# --- the plan on machines with 0, 1, 4 and 8 GPUs (gpu_count simulated) -----------------------------
+
+@pytest.mark.parametrize("gpus, expected", [
+    (0, ("gloo", "cpu", 2)),
+    (1, ("gloo", "cpu", 2)),     # one GPU: NCCL cannot put two ranks on it; CPU processes teach the lesson
+    (4, ("nccl", "cuda", 4)),
+    (8, ("nccl", "cuda", 8)),
+])
+def test_multi_process_plan_for_each_machine(monkeypatch, gpus, expected):
+    monkeypatch.setattr(environment, "gpu_count", lambda: gpus)
+    p = environment.plan()
+    assert (p.backend, p.device, p.nprocs) == expected, p
+    assert p.nprocs >= 2, "a multi-process lesson always gets at least two processes"
+    if gpus == 1:
+        assert "NCCL needs one GPU per process" in p.reason
+
+
+@pytest.mark.parametrize("gpus, device", [(0, "cpu"), (1, "cuda"), (4, "cuda"), (8, "cuda")])
+def test_single_device_work_uses_a_gpu_whenever_there_is_one(monkeypatch, gpus, device):
+    monkeypatch.setattr(environment, "gpu_count", lambda: gpus)
+    p = environment.plan(nprocs=1)
+    assert (p.device, p.nprocs) == (device, 1)
+
+
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_more_processes_than_gpus_run_on_the_cpu_unless_cuda_is_forced(monkeypatch, gpus):
+    monkeypatch.setattr(environment, "gpu_count", lambda: gpus)
+    p = environment.plan(nprocs=gpus + 1)
+    assert (p.backend, p.device, p.nprocs) == ("gloo", "cpu", gpus + 1)
+    with pytest.raises(ValueError, match=rf"nprocs={gpus + 1} but this machine has {gpus} GPU"):
+        environment.plan(nprocs=gpus + 1, device="cuda")
+    with pytest.raises(ValueError, match="pass nprocs<="):
+        environment.plan(nprocs=gpus + 1, backend="nccl")
+
+
+def test_nccl_forced_on_one_gpu_for_a_multi_process_lesson_names_the_fix(monkeypatch):
+    monkeypatch.setattr(environment, "gpu_count", lambda: 1)
+    with pytest.raises(ValueError, match="needs 2 or more GPUs.*leave backend unset"):
+        environment.plan(backend="nccl")
+    assert environment.plan(backend="nccl", nprocs=1).device == "cuda"
+
+
+def test_setup_plans_for_the_processes_on_this_machine(monkeypatch):
+    """A 2-process job on a one-GPU machine: each rank's setup() must plan for 2 local processes (so
+    the CPU), not for itself alone (which would send rank 1 to cuda:1)."""
+    from dtlab import distributed
+
+    asked = []
+
+    def spy(backend=None, nprocs=None, device=None):
+        asked.append(nprocs)
+        raise RuntimeError("stop before joining")
+
+    monkeypatch.setattr(distributed, "plan", spy)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(RuntimeError, match="stop before joining"):
+        distributed.setup()
+    assert asked == [2]

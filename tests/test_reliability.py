@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,7 +112,7 @@ def _model_opt(hidden=16):
 def test_checkpointer_keeps_the_newest_m_and_loads_with_weights_only(tmp_path):
     model, opt = _model_opt()
     ckpt = checkpoint.Checkpointer(tmp_path, every_steps=2, keep=3)
-    saved = [ckpt.maybe_save(step, lambda s=step: checkpoint.training_state(model, opt, step=s))
+    saved = [ckpt.maybe_save(step, lambda s=step: checkpoint.training_state(model, optimizer=opt, step=s))
              for step in range(1, 11)]
     assert [p.name for p in saved if p] == [f"step-{s:08d}.pt" for s in (2, 4, 6, 8, 10)]
     assert [p.name for p in ckpt.checkpoints()] == [f"step-{s:08d}.pt" for s in (6, 8, 10)]
@@ -130,7 +131,7 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
     model, opt = _model_opt()
     ckpt = checkpoint.Checkpointer(tmp_path, every_steps=1, keep=3)
     for step in (1, 2):
-        ckpt.save(step, checkpoint.training_state(model, opt, step=step))
+        ckpt.save(step, checkpoint.training_state(model, optimizer=opt, step=step))
     newest = ckpt.latest()
     newest.write_bytes(newest.read_bytes()[:100])  # a disk fault truncated it
     with pytest.warns(UserWarning, match="skipping unreadable checkpoint step-00000002.pt"):
@@ -140,27 +141,27 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
 def test_nan_weights_are_never_written_over_a_good_checkpoint(tmp_path):
     model, opt = _model_opt()
     ckpt = checkpoint.Checkpointer(tmp_path, every_steps=1, keep=1)
-    ckpt.save(1, checkpoint.training_state(model, opt, step=1))
+    ckpt.save(1, checkpoint.training_state(model, optimizer=opt, step=1))
     with torch.no_grad():
         model.net[0].weight[0, 0] = float("nan")
     with pytest.raises(checkpoint.CheckpointError, match="NaN or inf at step 2.*step-00000001.pt"):
-        ckpt.save(2, checkpoint.training_state(model, opt, step=2))
+        ckpt.save(2, checkpoint.training_state(model, optimizer=opt, step=2))
     assert [p.name for p in ckpt.checkpoints()] == ["step-00000001.pt"]
 
 
 def test_mismatched_checkpoints_are_refused_before_anything_changes(tmp_path):
     model, opt = _model_opt()
-    state = checkpoint.training_state(model, opt, step=3)
+    state = checkpoint.training_state(model, optimizer=opt, step=3)
     other, other_opt = _model_opt(hidden=32)
     before = [p.clone() for p in other.parameters()]
     with pytest.raises(checkpoint.CheckpointError, match=r"does not fit this model: net.0.weight"):
-        checkpoint.restore(state, other, other_opt)
+        checkpoint.restore(state, other, optimizer=other_opt)
     assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
 
     fresh, _ = _model_opt()
     grouped = torch.optim.SGD([{"params": [fresh.net[0].weight]}, {"params": list(fresh.parameters())[1:]}], lr=0.1)
     with pytest.raises(checkpoint.CheckpointError, match=r"parameter groups of sizes \[4\].*\[1, 3\]"):
-        checkpoint.restore(state, fresh, grouped)
+        checkpoint.restore(state, fresh, optimizer=grouped)
 
     state["world_size"] = 4
     with pytest.raises(checkpoint.CheckpointError, match="run of 4 processes; this run has 1.*allow_new_world_size"):
@@ -177,8 +178,8 @@ def test_the_loader_resumes_mid_epoch_and_refuses_another_sharding():
     for _, y in first:
         seen.append(y)
         if len(seen) == 4:
+            state = first.state_dict()  # saved mid-epoch, as a checkpoint at step 4 does; then "killed"
             break
-    state = first.state_dict()
     assert (state["epoch"], state["batches_done"]) == (0, 4)
     second = data.DistributedLoader(dataset, batch_size=8, rank=1, world_size=2, seed=3)
     second.load_state_dict(state)
@@ -195,7 +196,7 @@ def _rank0_builds_the_state_alone():
 
     distributed.setup(timeout=timedelta(seconds=10))
     model, opt = _model_opt()
-    state = checkpoint.training_state(model, opt, step=1) if dist.get_rank() == 0 else None
+    state = checkpoint.training_state(model, optimizer=opt, step=1) if dist.get_rank() == 0 else None
     dist.barrier()
     return state is not None and "rng_per_rank" not in state
 
@@ -204,3 +205,87 @@ def _rank0_builds_the_state_alone():
 def test_training_state_runs_no_collective_so_rank0_may_call_it_alone():
     """Notebook 03 calls it on rank 0 only; a collective inside it hung that notebook once."""
     assert launch.run(_rank0_builds_the_state_alone, nprocs=2, timeout=30) == [True, False]
+
+
+# --- every rank resumes from the same checkpoint; a failed save fails everywhere ---------------------
+
+def _resume_from_node_local_folders(root):
+    """Each rank keeps checkpoints in its own folder, as on node-local disks; rank 1 lacks the newest."""
+    import torch.distributed as dist
+
+    from dtlab import distributed
+
+    distributed.setup(timeout=timedelta(seconds=20))
+    rank = dist.get_rank()
+    folder = Path(root) / f"node{rank}"
+    model, opt = _model_opt()
+    ckpt = checkpoint.Checkpointer(folder, every_steps=1, keep=5)
+    for step in (1, 2, 3):
+        state = checkpoint.training_state(model, optimizer=opt, step=step)
+        checkpoint.save(folder / f"step-{step:08d}.pt", state)    # what each node's disk holds
+    if rank == 1:
+        (folder / "step-00000003.pt").unlink()                   # this node missed the last copy
+        (folder / "step-00000002.pt").write_bytes(b"torn")       # and has a damaged one
+    try:
+        state = ckpt.load_latest()
+        outcome = {"step": state["step"]}
+    except checkpoint.CheckpointError as exc:
+        outcome = {"error": str(exc)}
+    distributed.teardown()
+    return outcome
+
+
+@pytest.mark.timeout(60)
+def test_rank0_chooses_the_checkpoint_and_a_rank_that_cannot_read_it_fails_everywhere(tmp_path):
+    # Before: rank 0 resumed from step 3 and rank 1 from step 1 (its newest readable file), silently.
+    results = launch.run(_resume_from_node_local_folders, str(tmp_path), nprocs=2, timeout=45)
+    assert all("error" in r for r in results), results
+    assert all("rank 0 chose" in r["error"] and "step-00000003.pt" in r["error"] and "[1]" in r["error"]
+               for r in results), results
+
+
+def _same_folder_resume(root):
+    from dtlab import distributed
+
+    distributed.setup(timeout=timedelta(seconds=20))
+    model, opt = _model_opt()
+    ckpt = checkpoint.Checkpointer(root, every_steps=1, keep=3)
+    for step in (1, 2):
+        ckpt.save(step, checkpoint.training_state(model, optimizer=opt, step=step))
+    step = ckpt.load_latest()["step"]
+    distributed.teardown()
+    return step
+
+
+@pytest.mark.timeout(60)
+def test_every_rank_resumes_from_the_step_rank0_chose(tmp_path):
+    assert launch.run(_same_folder_resume, str(tmp_path), nprocs=2, timeout=45) == [2, 2]
+
+
+def _save_fails_on_rank0(root):
+    import time as _time
+
+    from dtlab import distributed
+
+    distributed.setup(timeout=timedelta(seconds=30))
+    model, opt = _model_opt()
+    ckpt = checkpoint.Checkpointer(root, every_steps=1)
+    if distributed.is_main():
+        ckpt.directory = Path(root) / "deleted"                  # rank 0's write will fail
+    start = _time.monotonic()
+    try:
+        ckpt.save(1, checkpoint.training_state(model, optimizer=opt, step=1))
+        return {"error": None}
+    except checkpoint.CheckpointError as exc:
+        return {"error": str(exc).splitlines()[0], "seconds": _time.monotonic() - start}
+    finally:
+        distributed.teardown(failed=True)
+
+
+@pytest.mark.timeout(90)
+def test_a_save_that_fails_on_rank0_fails_on_every_rank_at_once(tmp_path):
+    # Before: rank 0 raised and the others waited at the barrier for the whole timeout (30 s here).
+    results = launch.run(_save_fails_on_rank0, str(tmp_path), nprocs=2, timeout=80)
+    assert "does not exist" in results[0]["error"], results[0]
+    assert results[1]["error"].startswith("rank 0 failed writing checkpoint"), results[1]
+    assert results[1]["seconds"] < 15, "rank 1 heard of the failure instead of waiting for the timeout"

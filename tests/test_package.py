@@ -1,0 +1,28 @@
+"""The package itself: `import dtlab` gives every module, and each module explains itself."""
+
+import subprocess
+import sys
+
+import pytest
+
+import dtlab
+
+
+def test_import_dtlab_then_use_any_module():
+    code = "import dtlab; print(dtlab.checkpoint.save.__name__, dtlab.parallel.zero.ShardedOptimizer.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["save", "ShardedOptimizer"]
+
+
+def test_an_unknown_module_lists_the_real_ones():
+    with pytest.raises(AttributeError, match="Its modules: environment, distributed"):
+        dtlab.no_such_thing  # noqa: B018
+
+
+@pytest.mark.parametrize("name", dtlab.MODULES)
+def test_every_module_has_a_docstring_a_learner_can_read(name):
+    import importlib
+
+    module = importlib.import_module(f"dtlab.{name}")
+    assert module.__doc__ and len(module.__doc__.split()) > 10, f"dtlab.{name} needs a docstring"
