@@ -133,6 +133,10 @@ def training_state(model: nn.Module, *, optimizer: torch.optim.Optimizer | None 
     collective of its own, so rank 0 alone may call it — unless the optimizer's ``state_dict`` is
     itself a collective (``dtlab.parallel.zero.ShardedOptimizer`` gathers its shards: every rank
     calls it then). ``Checkpointer.save`` adds every rank's RNG state.
+
+    It is a snapshot: tensors are copied, so training on does not change it. (``state_dict()``
+    alone returns the live tensors: a state kept in memory and restored later would hold the
+    weights and momentum of *now*, not of when it was taken.)
     """
     state = {"model": model.state_dict(), "epoch": epoch, "step": step, "world_size": distributed.world_size(),
              "rng": rng_state()}
@@ -143,7 +147,21 @@ def training_state(model: nn.Module, *, optimizer: torch.optim.Optimizer | None 
     if loader is not None:
         state["loader"] = loader.state_dict()
     state.update(extra)
-    return state
+    return _snapshot(state)
+
+
+def _snapshot(value: Any) -> Any:
+    """``value`` with every tensor copied (containers rebuilt, everything else as is)."""
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return type(value)((k, _snapshot(v)) for k, v in value.items()) if type(value) is not dict \
+            else {k: _snapshot(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_snapshot(v) for v in value)
+    return value
 
 
 def restore(state: dict[str, Any], model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
@@ -195,7 +213,9 @@ def restore(state: dict[str, Any], model: nn.Module, *, optimizer: torch.optim.O
         loader.set_epoch(int(state["loader"]["epoch"]))
     model.load_state_dict(state["model"])
     if optimizer is not None and "optimizer" in state:
-        optimizer.load_state_dict(state["optimizer"])
+        # a copy: torch's load_state_dict keeps the given tensors as its state, and training would then
+        # change the checkpoint held in memory (restoring it twice would not give the same start)
+        optimizer.load_state_dict(_snapshot(state["optimizer"]))
     if scheduler is not None and "scheduler" in state:
         scheduler.load_state_dict(state["scheduler"])
     if restore_rng and not new_world:

@@ -146,3 +146,32 @@ def _rank0_writer(directory):
 def test_save_on_rank0_writes_once_and_everyone_can_read(tmp_path):
     assert run_on(2, _rank0_writer, str(tmp_path)) == [0, 0]
     assert os.listdir(tmp_path) == ["shared.pt"]
+
+
+def test_training_state_is_a_snapshot_that_training_on_does_not_change():
+    """state_dict() hands out live tensors: a state kept in memory used to follow the training."""
+    model, opt = _trained_pair()
+    state = checkpoint.training_state(model, optimizer=opt, step=3)
+    frozen = {k: v.clone() for k, v in state["model"].items()}
+    moment = state["optimizer"]["state"][0]["exp_avg"].clone()
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert all(torch.equal(frozen[k], state["model"][k]) for k in frozen)
+    assert torch.equal(moment, state["optimizer"]["state"][0]["exp_avg"])
+
+
+def test_restoring_the_same_state_twice_gives_the_same_start():
+    model, opt = _trained_pair()
+    state = checkpoint.training_state(model, optimizer=opt)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    after = []
+    for _ in range(2):
+        fresh, fresh_opt = _trained_pair(seed=1)
+        checkpoint.restore(state, fresh, optimizer=fresh_opt)
+        fresh_opt.zero_grad()
+        torch.nn.functional.cross_entropy(fresh(x), y).backward()
+        fresh_opt.step()
+        after.append([p.detach().clone() for p in fresh.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*after)), "the first restore trained the saved state on"

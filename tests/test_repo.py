@@ -38,9 +38,15 @@ def test_notebook_follows_the_course_conventions(path):
     text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
     for heading in ("What you will learn", "Pitfall", "Exercises", "Claims this notebook makes"):
         assert heading in text, f"{path.name} lacks a '{heading}' section"
-    assert "assert" in "".join(code[-1]["source"]), "the last cell asserts the notebook's claims"
+    last = "".join(code[-1]["source"])
+    assert "claims.verify()" in last or "assert" in last, "the last cell asserts the notebook's claims"
+    solutions = [c for c in cells if "solution" in c["metadata"].get("tags", [])]
+    assert solutions, f"{path.name}: every exercise gets a solution cell (tag 'solution')"
+    for c in solutions:
+        assert "".join(c["source"]).startswith("# Solution"), "a solution cell opens with '# Solution N: why'"
+        assert c["metadata"].get("jupyter", {}).get("source_hidden"), "solutions are collapsed in Jupyter"
     for i, c in enumerate(cells[1:], 1):  # every code cell is preceded by a sentence of why
-        if c["cell_type"] == "code" and cells[i - 1]["cell_type"] == "code":
+        if c["cell_type"] == "code" and cells[i - 1]["cell_type"] == "code" and c not in solutions:
             assert i - 1 > 0 and cells[i - 2]["cell_type"] == "markdown", \
                 f"{path.name}: cells {i - 1} and {i} follow a code cell without explanation"
 
