@@ -37,7 +37,8 @@ class ConfigError(ValueError):
 
 def build(stage: int = 0, micro_batch: int = 8, accumulation: int = 1, world_size: int = 1,
           precision: str = "fp32", offload_optimizer: bool = False, offload_params: bool = False,
-          lr: float = 1e-3, weight_decay: float = 0.0, optimizer: str = "AdamW") -> dict[str, Any]:
+          lr: float = 1e-3, weight_decay: float = 0.0, optimizer: str = "AdamW",
+          torch_adam: bool = True) -> dict[str, Any]:
     """A complete, valid DeepSpeed config from readable choices.
 
     Args:
@@ -47,6 +48,11 @@ def build(stage: int = 0, micro_batch: int = 8, accumulation: int = 1, world_siz
         world_size: number of processes (GPUs); sets ``train_batch_size`` consistently.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (fp16 uses dynamic loss scaling).
         offload_optimizer, offload_params: move optimizer state / parameters to CPU memory.
+        torch_adam: for Adam/AdamW without offload, run PyTorch's own optimizer (``"torch_adam": true``)
+            instead of DeepSpeed's fused one. The fused kernel is compiled on first use, which needs
+            ``nvcc`` on a GPU node — absent on Databricks ML runtimes — and is what makes a lesson stall
+            or fail there; torch's AdamW gives the same update and matches a DDP baseline's optimizer.
+            (With optimizer offload DeepSpeed requires its CPU Adam, so the flag is not set then.)
     """
     cfg: dict[str, Any] = {
         "train_batch_size": micro_batch * accumulation * world_size,
@@ -62,6 +68,8 @@ def build(stage: int = 0, micro_batch: int = 8, accumulation: int = 1, world_siz
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16}
     elif precision != "fp32":
         raise ConfigError(f"precision={precision!r}: use 'fp32', 'bf16' or 'fp16'")
+    if torch_adam and optimizer.lower() in ("adam", "adamw") and not offload_optimizer:
+        cfg["optimizer"]["params"]["torch_adam"] = True
     if offload_optimizer:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if offload_params:

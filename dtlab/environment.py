@@ -169,6 +169,32 @@ def require_horovod() -> dict:
     return status
 
 
+def console_script(name: str) -> str | None:
+    """The path of an installed command-line tool (``py-spy``, ``torchrun``...), or None.
+
+    Looks on ``PATH``, next to this Python, and in the ``bin`` folder of every installation whose
+    packages this Python sees. On Databricks a notebook's interpreter lives in its own environment,
+    away from the runtime's scripts (``/databricks/python3/bin``), so ``PATH`` and ``sys.executable``
+    alone miss them; for Python tools prefer ``python -m`` (``-m torch.distributed.run``).
+    """
+    import site
+    import sys
+    from pathlib import Path
+
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = [Path(sys.executable).parent / name]
+    for folder in [*site.getsitepackages(), site.getusersitepackages()]:
+        real = Path(folder).resolve()
+        if real.name == "site-packages" and len(real.parents) >= 3:
+            candidates.append(real.parents[2] / "bin" / name)  # <prefix>/lib/pythonX.Y/site-packages
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    return None
+
+
 def java_version() -> str | None:
     """The first line of ``java -version`` (Spark needs Java 17), or None without Java."""
     java = shutil.which("java")

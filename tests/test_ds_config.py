@@ -63,3 +63,10 @@ def test_a_bad_stage():
 def test_a_non_integer_batch():
     with pytest.raises(ConfigError, match="positive integer"):
         validate({**GOOD, "train_micro_batch_size_per_gpu": 0}, world_size=2)
+
+
+def test_adam_runs_torchs_own_optimizer_unless_offloaded():
+    """DeepSpeed's fused Adam compiles with nvcc on first use; Databricks ML runtimes have no nvcc."""
+    assert build(stage=2)["optimizer"]["params"]["torch_adam"] is True
+    assert "torch_adam" not in build(stage=2, offload_optimizer=True)["optimizer"]["params"]
+    assert "torch_adam" not in build(stage=1, torch_adam=False)["optimizer"]["params"]

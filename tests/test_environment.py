@@ -150,3 +150,11 @@ def test_setup_plans_for_the_processes_on_this_machine(monkeypatch):
     with pytest.raises(RuntimeError, match="stop before joining"):
         distributed.setup()
     assert asked == [2]
+
+
+def test_console_scripts_are_found_beside_the_packages_not_only_on_path(tmp_path, monkeypatch):
+    """A Databricks notebook's python is in its own folder, away from the runtime's scripts."""
+    monkeypatch.setenv("PATH", str(tmp_path))             # nothing on PATH
+    found = environment.console_script("py-spy")
+    assert found is not None and found.endswith("/bin/py-spy"), found
+    assert environment.console_script("no-such-tool-anywhere") is None
