@@ -24,6 +24,7 @@ One module per concept; import the one you need:
     dtlab.clusters     validate Databricks cluster files and the bundle offline
     dtlab.notebook     notebook parameters from Databricks widgets
     dtlab.course       run the course notebooks headless (``dtlab course run``)
+    dtlab.jobs         the Databricks job's summary of every lesson's status
 
 Modules load on first use, so ``import dtlab`` is quick and ``dtlab.checkpoint`` just works.
 Try ``help(dtlab.checkpoint)``, or ``dtlab env`` in a shell.
@@ -36,7 +37,7 @@ __version__ = "0.1.0"
 #: The modules ``dtlab.<name>`` loads on first use (PEP 562).
 MODULES = ("environment", "distributed", "models", "data", "checkpoint", "resumable", "faults", "tracking",
            "measure", "live", "launch", "parallel", "bandwidth", "spark", "memory", "ds_config", "precision",
-           "speedup", "clusters", "notebook", "course", "hardware", "cli")
+           "speedup", "clusters", "notebook", "course", "hardware", "jobs", "cli")
 
 
 def __getattr__(name: str):

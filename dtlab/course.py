@@ -171,12 +171,16 @@ CELL_TIMEOUT_S = 900
 
 def run_one(path: Path, run_dir: Path, params: dict[str, Any] | None = None, ci: bool = False,
             stream: bool = True, cell_timeout: int = CELL_TIMEOUT_S, solutions: bool = False,
-            alt: bool = False) -> Result:
+            alt: bool = False, cwd: Path | None = None, kernel_name: str = "python3",
+            env: dict[str, str] | None = None, inject_parameters: bool = True) -> Result:
     """Execute one notebook into ``run_dir`` (also its working directory) and return the Result.
 
     ``ci`` uses the notebook's CI parameters, ``alt`` adds its second parameter set on top,
     ``params`` override both. ``solutions=True`` also runs the exercise solutions.
     A cell running longer than ``cell_timeout`` seconds stops the notebook (a hang becomes a failure).
+    ``cwd``, ``kernel_name``, ``env`` (added to the kernel's environment) and
+    ``inject_parameters=False`` (the parameters reach the notebook some other way, as Databricks
+    widgets do) let the tests run a notebook the way another platform would.
     """
     import uuid
 
@@ -189,13 +193,19 @@ def run_one(path: Path, run_dir: Path, params: dict[str, Any] | None = None, ci:
     run_id = uuid.uuid4().hex
     kernel_env = {"DTLAB_HEADLESS": "1",  # LiveView prints lines instead of widgets
                   "DTLAB_RUN_ID": run_id,  # marks every process the notebook starts
-                  "DTLAB_SCRATCH": str(Path(run_dir).resolve())}  # checkpoints and scripts stay in the run
+                  "DTLAB_SCRATCH": str(Path(run_dir).resolve()),  # checkpoints and scripts stay in the run
+                  **(env or {})}
     before = {k: os.environ.get(k) for k in kernel_env}
-    os.environ.update(kernel_env)  # the kernel inherits them
+    for key, value in kernel_env.items():  # the kernel inherits them (an empty value unsets one)
+        if value == "":
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     start = time.perf_counter()
     try:
         papermill.execute_notebook(
-            str(source), str(out), parameters=merged, cwd=str(run_dir), kernel_name="python3",
+            str(source), str(out), parameters=merged if inject_parameters else None, cwd=str(cwd or run_dir),
+            kernel_name=kernel_name,
             progress_bar=False, execution_timeout=cell_timeout, stdout_file=sys.stdout if stream else None,
             stderr_file=sys.stderr if stream else None)
         result = Result(path.stem, "ok", time.perf_counter() - start, str(out), parameters=merged)

@@ -130,6 +130,39 @@ def plan(backend: str | None = None, nprocs: int | None = None, device: str | No
     return Plan(backend=backend, device=device, nprocs=nprocs, reason=reason)
 
 
+#: Library versions of the Databricks runtimes the course targets, as shipped (requirements-dbr15.4.txt
+#: pins the same, with its sources; tests/test_environment.py checks they agree). ``dtlab env`` on a
+#: cluster reports any installed version that differs: usually requirements.txt installed over the runtime.
+DATABRICKS_RUNTIME_STACKS: dict[str, dict[str, str]] = {
+    "15.4": {"torch": "2.3.1", "pyspark": "3.5.0", "mlflow": "2.13.1", "numpy": "1.23.5", "pandas": "1.5.3",
+             "pyarrow": "14.0.1", "ipywidgets": "7.7.2", "cloudpickle": "2.2.1", "matplotlib": "3.7.2",
+             "scikit-learn": "1.3.0", "horovod": "0.28.1"},
+}
+
+
+def runtime_mismatches(runtime: str | None = None) -> list[str]:
+    """Installed versions that differ from the Databricks runtime's own (empty off Databricks, or when all match).
+
+    ``runtime`` defaults to ``DATABRICKS_RUNTIME_VERSION`` (e.g. ``15.4``); local builds such as
+    ``2.3.1+cu121`` match ``2.3.1``.
+    """
+    from importlib import metadata
+
+    runtime = runtime or os.environ.get("DATABRICKS_RUNTIME_VERSION", "")
+    stack = next((v for k, v in DATABRICKS_RUNTIME_STACKS.items() if runtime == k or runtime.startswith(k + ".")), None)
+    if not stack:
+        return []
+    found = []
+    for package, shipped in stack.items():
+        try:
+            installed = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+        if installed.split("+")[0] != shipped:
+            found.append(f"{package} {installed} (the runtime ships {shipped})")
+    return found
+
+
 def _version(module: str) -> str | None:
     try:
         mod = importlib.import_module(module)
@@ -157,8 +190,9 @@ def horovod_status() -> dict:
         return {"installed": False, "version": horovod.__version__,
                 "problem": f"horovod is installed but not built for PyTorch ({type(exc).__name__}: {exc})",
                 "fix": fix}
-    return {"installed": True, "version": horovod.__version__, "gloo": bool(hvd.gloo_built()),
-            "mpi": bool(hvd.mpi_built()), "nccl": bool(hvd.nccl_built())}
+    built = {name: bool(getattr(hvd, f"{name}_built", lambda: False)())
+             for name in ("gloo", "mpi", "nccl", "ddl", "ccl", "cuda", "rocm")}
+    return {"installed": True, "version": horovod.__version__, **built}
 
 
 def require_horovod() -> dict:
@@ -212,12 +246,21 @@ def report() -> dict:
     """Everything the course depends on, as a dict (see ``format_report`` for the printed form)."""
     gpus = [torch.cuda.get_device_name(i) for i in range(gpu_count())]
     dist = torch.distributed
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None
+    except Exception:  # a CUDA build without NCCL
+        nccl = None
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_cores": os.cpu_count(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "cudnn": cudnn,
+        "nccl": nccl,
+        "databricks_runtime": os.environ.get("DATABRICKS_RUNTIME_VERSION"),
+        "runtime_mismatches": runtime_mismatches(),
         "gpus": gpus,
         "backends": {
             "gloo": dist.is_available() and dist.is_gloo_available(),
@@ -238,7 +281,8 @@ def format_report(info: dict | None = None) -> str:
     info = report() if info is None else info
     lines = [
         f"python      {info['python']}  ({info['platform']}, {info['cpu_cores']} CPU cores)",
-        f"torch       {info['torch']}  (CUDA {info['cuda'] or 'none'})",
+        f"torch       {info['torch']}  (CUDA {info['cuda'] or 'none'}, cuDNN {info.get('cudnn') or 'none'}, "
+        f"NCCL {info.get('nccl') or 'none'})",
         f"GPUs        {', '.join(info['gpus']) if info['gpus'] else 'none'}",
         "backends    " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in info["backends"].items()),
     ]
@@ -246,11 +290,19 @@ def format_report(info: dict | None = None) -> str:
         lines.append(f"{name:<11} {version or 'not installed'}")
     hvd = info["horovod"]
     if hvd["installed"]:
-        built = [k for k in ("gloo", "mpi", "nccl") if hvd.get(k)]
-        lines.append(f"horovod     {hvd['version']}  (PyTorch; built with {', '.join(built) or 'nothing'})")
+        controllers = [k for k in ("gloo", "mpi") if hvd.get(k)]
+        ops = [k for k in ("nccl", "ddl", "ccl", "cuda", "rocm") if hvd.get(k)]
+        lines.append(f"horovod     {hvd['version']}  (PyTorch; controllers {', '.join(controllers) or 'none'}; "
+                     f"GPU operations {', '.join(ops) or 'none'})")
     else:
         lines.append(f"horovod     MISSING: {hvd['problem']}. Fix: {hvd['fix']}")
     lines.append(f"java        {info['java'] or 'MISSING: Spark needs Java 17. Fix: apt-get install openjdk-17-jre'}")
+    if info.get("databricks_runtime"):
+        mismatched = info.get("runtime_mismatches") or []
+        lines.append(f"databricks  runtime {info['databricks_runtime']}: " + (
+            "MISMATCH: " + "; ".join(mismatched) + ". Was requirements.txt installed over the runtime? Fix: restart "
+            "the cluster (a new node has the runtime's own libraries) and install only dtlab, with --no-deps, as "
+            "clusters/init/install-dtlab.sh does" if mismatched else "libraries as the runtime ships them"))
     p = info["plan"]
     lines.append(f"course plan backend={p['backend']} device={p['device']} nprocs={p['nprocs']}  ({p['reason']})")
     return "\n".join(lines)

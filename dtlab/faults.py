@@ -6,8 +6,8 @@ which repeats them many times. The SIGKILL of a training rank at a chosen step l
 
 * ``kill_checkpoint_writer`` — start a process that writes checkpoints as fast as it can, kill it
   with SIGKILL after ``delay`` seconds, and return the newest checkpoint a resumed run would load.
-* ``all_reduce_with_failing_peer`` — rank 1 gets stuck (or dies); rank 0 reports how long its
-  all-reduce took to fail.
+* ``all_reduce_with_failing_peer`` — rank 1 gets stuck (or dies) after a first all-reduce; rank 0
+  reports how long its next all-reduce took to fail.
 """
 
 from __future__ import annotations
@@ -62,7 +62,13 @@ def checkpoint_files(directory: str | os.PathLike) -> list[Path]:
 
 
 def all_reduce_with_failing_peer(timeout_s: float, how: str = "stuck") -> dict[str, Any] | None:
-    """Run under a launcher with 2 ranks: rank 1 is ``"stuck"`` (never joins) or ``"dies"`` (exits).
+    """Run under a launcher with 2 or more ranks: rank 1 is ``"stuck"`` (never joins) or ``"dies"`` (exits).
+
+    Every rank first completes one all-reduce (the job has been running: on nccl this also creates
+    the communicator), then rank 1 fails. The tensor lives on the device ``setup`` returns: a CPU
+    tensor on nccl would fail at once, without any timeout. On nccl, run it with
+    ``TORCH_NCCL_BLOCKING_WAIT=1`` in the workers' environment so the collective itself raises
+    after the timeout (by default NCCL's watchdog tears the process down instead).
 
     Rank 0 returns ``{"seconds": how long its all_reduce took, "error": the error text or None}``.
     """
@@ -70,7 +76,8 @@ def all_reduce_with_failing_peer(timeout_s: float, how: str = "stuck") -> dict[s
 
     from dtlab import distributed
 
-    distributed.setup(timeout=timedelta(seconds=timeout_s))     # the collective timeout
+    device = distributed.setup(timeout=timedelta(seconds=timeout_s))     # the collective timeout
+    dist.all_reduce(torch.ones(4, device=device))                         # all ranks alive so far
     if dist.get_rank() == 1:
         if how == "dies":
             os._exit(1)
@@ -78,7 +85,7 @@ def all_reduce_with_failing_peer(timeout_s: float, how: str = "stuck") -> dict[s
         return None
     start = time.monotonic()
     try:
-        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4, device=device))
         return {"seconds": time.monotonic() - start, "error": None}
     except RuntimeError as exc:
         return {"seconds": time.monotonic() - start, "error": str(exc)}

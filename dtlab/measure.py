@@ -139,3 +139,19 @@ def reduction_tolerance(n_terms: int, steps: int, scale: float, eps: float = FLO
     if n_terms < 1 or steps < 1 or scale < 0 or not math.isfinite(scale):
         raise ValueError(f"need n_terms >= 1, steps >= 1 and a finite scale >= 0 (got {n_terms}, {steps}, {scale})")
     return n_terms * eps * steps * max(scale, eps)
+
+
+def memory_in_use(device: torch.device | str = "cpu") -> int:
+    """Bytes this process holds on ``device`` now: allocated CUDA memory on a GPU, the resident set on the CPU.
+
+    On a GPU, ``torch.cuda.memory_allocated`` counts exactly the live tensors. On the CPU the resident
+    set size (RSS) counts everything the process holds, libraries included: use the *growth* of it
+    across a step of the program (large tensors are mapped and unmapped as a whole, so their bytes
+    show up there one for one), never the absolute value.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)

@@ -93,3 +93,42 @@ def session(cores: int | None = None, gpus: int = 0, app_name: str = "dtlab-cour
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
+
+
+def gpu_problem(spark, local_mode: bool) -> str | None:
+    """Why ``TorchDistributor(local_mode=local_mode, use_gpu=True)`` cannot get GPUs here, or None if it can.
+
+    * ``local_mode=False`` gives each Spark *task* a GPU, so the cluster must schedule GPUs to tasks
+      (``spark.task.resource.gpu.amount``). Databricks turns GPU scheduling off on single-node
+      clusters: there ``TorchDistributor`` raises "'spark.task.resource.gpu.amount' was unset".
+    * ``local_mode=True`` gives each process one of the *driver's* GPUs, which the driver must
+      advertise to Spark (a ``gpu`` resource, ``spark.driver.resource.gpu.amount``).
+
+    The message says what happens instead in the lesson and how to fix the cluster.
+    """
+    conf = dict(spark.sparkContext.getConf().getAll())
+    return gpu_problem_of(conf, set(spark.sparkContext.resources), local_mode)
+
+
+def gpu_problem_of(conf: dict, driver_resources: set, local_mode: bool) -> str | None:
+    """``gpu_problem`` for a Spark configuration given as a dict (e.g. a cluster file's ``spark_conf``)."""
+    if not local_mode:
+        amount = str(conf.get("spark.task.resource.gpu.amount", "0"))
+        try:
+            ok = float(amount) >= 1
+        except ValueError:
+            ok = False
+        if ok:
+            return None
+        single = conf.get("spark.databricks.cluster.profile") == "singleNode" or \
+            str(conf.get("spark.master", "")).startswith("local")
+        return ("Spark gives its tasks no GPU here (spark.task.resource.gpu.amount is unset"
+                + (": GPU scheduling is off on single-node clusters" if single else "")
+                + "), so TorchDistributor(local_mode=False, use_gpu=True) would raise. Fix: a multi-node cluster "
+                "with spark.task.resource.gpu.amount: \"1\" (clusters/g5-12xlarge-4-nodes.yml)")
+    if "gpu" in driver_resources and str(conf.get("spark.driver.resource.gpu.amount", "0")) not in ("0", "0.0"):
+        return None
+    return ("the Spark driver advertises no GPU (no 'gpu' resource, spark.driver.resource.gpu.amount unset), "
+            "so TorchDistributor(local_mode=True, use_gpu=True) would raise 'GPUs were unable to be found on the "
+            "driver'. Fix: set spark.driver.resource.gpu.amount and a discovery script in the cluster's "
+            "spark_conf (dtlab.spark.session(gpus=N) does it for a local Spark)")

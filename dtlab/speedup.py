@@ -13,9 +13,18 @@ Per optimizer step of ``k`` accumulated micro-batches, with gradients compressed
     T_N = k * t_compute + (1 - o) * t_comm(c * bytes)
     speed-up S = N * T_1 / T_N                  (samples per second, N processes vs one)
 
-With ``r = t_comm / t_compute`` and N = 2 this is the seed tutorials' ``S = N / (1 + r (N-1))``.
-The ResNet-50 example there (r = 0.8, N = 4) gives 4 / 3.4 = 1.18: four GPUs, barely faster
-than one.
+With ``r = t_comm / t_compute`` this is ``S = N / (1 + r)``: one process would not be beaten only
+when the all-reduce takes longer than ``N - 1`` steps of compute (``break_even_comm``).
+
+The reference tutorials write ``S = N / (1 + r (N-1))`` (``seed_formula``): communication growing
+linearly with the number of peers, as a naive all-to-one exchange would. A ring all-reduce does not
+grow that way — each GPU sends ``2(N-1)/N`` of the gradients whatever N is — and the two formulas
+agree only at N = 2. Their ResNet-50 example (55 ms of compute, 40 ms all-reduce, N = 4) gives
+1.18x by theirs and 2.32x by this one; 1.18x would need 3 x 40 ms of communication per step.
+
+``measure_speedup`` measures the ingredients and the result on this machine, in the same
+processes and interleaved step by step, so that the prediction and the measurement see the same
+conditions (a noisy 2-core machine changes speed from minute to minute).
 """
 
 from __future__ import annotations
@@ -74,27 +83,36 @@ def seed_formula(n: int, comm_over_compute: float) -> float:
 
 
 def break_even_ratio(n: int, target_speedup: float = 1.0) -> float:
-    """The largest ``t_comm / t_compute`` at which N processes still reach ``target_speedup``.
-
-    From the seed formula: ``r = (N / S - 1) / (N - 1)``. At r above this, distributing is slower
-    than the target (for ``target_speedup=1``: slower than one device).
+    """The largest ``t_comm / t_compute`` at which N processes still reach ``target_speedup``,
+    by the *reference's* formula: ``r = (N / S - 1) / (N - 1)`` (see ``break_even_comm`` for this model's).
     """
     if n < 2 or target_speedup <= 0:
         raise ValueError("need n >= 2 and a positive target")
     return (n / target_speedup - 1) / (n - 1)
 
 
+def break_even_comm(n: int, target_speedup: float = 1.0) -> float:
+    """The largest ``t_comm / t_compute`` at which N processes still reach ``target_speedup``, by this
+    module's model ``S = N / (1 + r)``: ``r = N / S - 1`` (for S = 1: the all-reduce may take up to
+    ``N - 1`` steps of compute before one process wins)."""
+    if n < 2 or target_speedup <= 0:
+        raise ValueError("need n >= 2 and a positive target")
+    return n / target_speedup - 1
+
+
 def measure_step(cfg: dict) -> dict:
-    """Worker for ``dtlab.launch.run``: time DDP training steps of an MLP under ``cfg``.
+    """Worker for ``dtlab.launch.run``: time training steps of an MLP, and their ingredients, under ``cfg``.
 
     ``cfg`` keys: ``hidden``, ``depth``, ``batch`` (per process), ``accumulation``, ``compression``
-    (True: fp16 hook), ``steps``, ``device`` ("cpu"/"cuda"), ``bucket_cap_mb``, ``no_comm`` (True:
-    N processes train independently, to time compute alone). Runs on 1 process as well. Returns
-    the median seconds per optimizer step, the gradient bytes, and — on N > 1 with communication —
-    the measured all-reduce time of the bytes actually sent.
+    (True: fp16 hook), ``steps``, ``device`` ("cpu"/"cuda"), ``backend``, ``bucket_cap_mb``.
+
+    On one process it times plain steps. On N processes it alternates, step by step and after a
+    barrier each time, three things in the same processes: a DDP step; a step of an identical model
+    *without* communication (the compute, including what the processes cost each other on a shared
+    machine); and one all-reduce of exactly the bytes DDP sends per step. Returns the medians
+    (seconds) and the gradient bytes.
     """
     import contextlib
-    import os
     import statistics
     import time
 
@@ -104,67 +122,97 @@ def measure_step(cfg: dict) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
     from dtlab import data, models
-    from dtlab.bandwidth import time_all_reduce
+    from dtlab.distributed import local_device
 
-    cuda = cfg.get("device") == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group(cfg.get("backend", "gloo"))
     world = dist.get_world_size()
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    torch.manual_seed(0)
-    model = models.MLP(64, cfg["hidden"], 10, depth=cfg["depth"]).to(dev)
+    dev = local_device(cfg.get("device", "cpu"))
+    cuda = dev.type == "cuda"
+
+    def build():
+        torch.manual_seed(0)
+        model = models.MLP(64, cfg["hidden"], 10, depth=cfg["depth"]).to(dev)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+    model, opt = build()
     grad_bytes = 4 * sum(p.numel() for p in model.parameters())
-    net = model
-    if world > 1 and not cfg.get("no_comm"):
-        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.get("bucket_cap_mb", 25))
+    ddp = None
+    if world > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.get("bucket_cap_mb", 25))
         if cfg.get("compression"):
-            net.register_comm_hook(None, fp16_compress_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            ddp.register_comm_hook(None, fp16_compress_hook)
+    alone, alone_opt = build()                                   # the same work, never communicating
     x, y = data.synthetic_classification(cfg["batch"], 64, 10, seed=dist.get_rank()).tensors
     x, y = x.to(dev), y.to(dev)
     k = cfg.get("accumulation", 1)
+    sent = torch.ones(max(1, int(grad_bytes * (0.5 if cfg.get("compression") else 1.0)) // 4), device=dev)
 
-    def step() -> None:
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    def train_step(net, optimizer, syncs: bool) -> None:
         for m in range(k):
-            sync = net is model or m == k - 1
-            with (contextlib.nullcontext() if sync else net.no_sync()):
+            last = m == k - 1
+            with (net.no_sync() if syncs and not last else contextlib.nullcontext()):
                 (F.cross_entropy(net(x), y) / k).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(cfg["steps"]):
+    def timed(fn) -> float:
         dist.barrier()
-        if cuda:
-            torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    sent = grad_bytes * (0.5 if cfg.get("compression") else 1.0)
-    allreduce = time_all_reduce(int(sent), dev, iters=5) if world > 1 and not cfg.get("no_comm") else 0.0
+        fn()
+        sync()
+        elapsed = torch.tensor([time.perf_counter() - start], device=dev)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)            # a step ends when the slowest rank ends
+        return elapsed.item()
+
+    parts: dict[str, list[float]] = {"step_s": [], "alone_s": [], "allreduce_s": []}
+    for i in range(cfg["steps"] + 2):                             # 2 warm-up rounds
+        step = timed(lambda: train_step(ddp or model, opt, ddp is not None))
+        if world > 1:
+            comp = timed(lambda: train_step(alone, alone_opt, False))
+            comm = timed(lambda: dist.all_reduce(sent))
+        if i >= 2:
+            parts["step_s"].append(step)
+            if world > 1:
+                parts["alone_s"].append(comp)
+                parts["allreduce_s"].append(comm)
     dist.destroy_process_group()
-    return {"step_s": statistics.median(times), "grad_bytes": grad_bytes, "allreduce_s": allreduce, "world": world}
+    out = {name: statistics.median(v) if v else 0.0 for name, v in parts.items()}
+    return {**out, "grad_bytes": grad_bytes, "world": world}
 
 
-def measure_speedup(cfg: dict, nprocs: int = 2) -> dict:
-    """Measure one process and ``nprocs`` processes on ``cfg`` back to back; predict from the parts.
+def measure_speedup(cfg: dict, nprocs: int = 2, repeats: int = 1) -> dict:
+    """Measure one process and ``nprocs`` processes on ``cfg``; predict from the measured ingredients.
 
-    The parts: the step time of ``nprocs`` processes training *without* communicating (compute
-    alone, including any slowdown from sharing the machine — on a CPU the processes share memory
-    bandwidth; on GPUs each has its own device) and the all-reduce time measured for exactly the
-    bytes DDP sends. Their sum predicts the DDP step; the measured DDP step tests the prediction.
+    The prediction is ``predict`` with this machine's numbers: the compute per micro-batch of
+    ``nprocs`` processes training side by side without communicating, and the link bandwidth that
+    makes ``allreduce_seconds`` equal the measured all-reduce of the bytes DDP sends. The measured
+    speed-up (``nprocs x`` one process's step time over the DDP step time; each process does the
+    same work per step) tests it. ``repeats`` launches are interleaved; medians are returned, and
+    ``spread`` (max - min over median) of the measured speed-up says how noisy the machine was.
     """
+    import statistics
+
     from dtlab.launch import run
 
-    one = run(measure_step, cfg, nprocs=1)[0]
-    alone = run(measure_step, {**cfg, "no_comm": True}, nprocs=nprocs)[0]
-    many = run(measure_step, cfg, nprocs=nprocs)[0]
-    measured = nprocs * one["step_s"] / many["step_s"]  # same samples per process per step
-    compute = max(alone["step_s"], one["step_s"])  # sharing the machine can only slow compute; less is noise
-    predicted = nprocs * one["step_s"] / (compute + many["allreduce_s"])  # the model, without overlap
-    return {"config": cfg, "one_step_s": one["step_s"], "alone_step_s": alone["step_s"], "n_step_s": many["step_s"],
-            "allreduce_s": many["allreduce_s"], "grad_bytes": one["grad_bytes"], "measured": measured,
-            "predicted": predicted, "error": predicted / measured - 1}
+    rounds = []
+    for _ in range(repeats):
+        one = run(measure_step, cfg, nprocs=1)[0]
+        many = run(measure_step, cfg, nprocs=nprocs)[0]
+        k = cfg.get("accumulation", 1)
+        sent = many["grad_bytes"] * (0.5 if cfg.get("compression") else 1.0)
+        bandwidth = 2 * (nprocs - 1) / nprocs * sent / many["allreduce_s"]     # what makes the ring formula fit
+        p = predict(many["alone_s"] / k, sent, nprocs, bandwidth, accumulation=k)
+        rounds.append({"one_step_s": one["step_s"], "n_step_s": many["step_s"], "alone_step_s": many["alone_s"],
+                       "allreduce_s": many["allreduce_s"], "grad_bytes": many["grad_bytes"],
+                       "measured": nprocs * one["step_s"] / many["step_s"],
+                       "predicted": nprocs * one["step_s"] / p.step_s})
+    med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    measured = [r["measured"] for r in rounds]
+    med["spread"] = (max(measured) - min(measured)) / med["measured"]
+    med["error"] = med["predicted"] / med["measured"] - 1
+    return {"config": cfg, **med, "rounds": rounds}

@@ -1,5 +1,6 @@
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +159,29 @@ def test_console_scripts_are_found_beside_the_packages_not_only_on_path(tmp_path
     found = environment.console_script("py-spy")
     assert found is not None and found.endswith("/bin/py-spy"), found
     assert environment.console_script("no-such-tool-anywhere") is None
+
+
+def test_the_runtime_table_agrees_with_requirements_dbr154():
+    pins = {}
+    for line in (Path(__file__).resolve().parent.parent / "requirements-dbr15.4.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, version = line.split("==")
+            pins[name.strip().lower()] = version.strip()
+    shipped = environment.DATABRICKS_RUNTIME_STACKS["15.4"]
+    both = set(shipped) & set(pins)
+    assert len(both) >= 8 and all(shipped[p] == pins[p] for p in both), {p: (shipped[p], pins[p]) for p in both}
+
+
+def test_dtlab_env_names_libraries_installed_over_the_runtime(monkeypatch):
+    """requirements.txt installed on a cluster replaces the runtime's torch, PySpark and MLflow."""
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "15.4")
+    found = environment.runtime_mismatches()
+    if torch.__version__.split("+")[0] == "2.3.1":          # the runtime stack itself: nothing to report
+        assert found == []
+    else:
+        assert any(line.startswith("torch ") and "runtime ships 2.3.1" in line for line in found)
+        text = environment.format_report({**environment.report()})
+        assert "MISMATCH" in text and "install only dtlab" in text
+    monkeypatch.delenv("DATABRICKS_RUNTIME_VERSION")
+    assert environment.runtime_mismatches() == []

@@ -68,3 +68,32 @@ def test_compression_hook_halves_the_bytes_and_matches_torch_fp16_hook():
     assert diff == pytest.approx(0, abs=1e-6), "our fp16 hook does what torch's does"
     drift = max((bf16["state"][k] - fp32["state"][k]).abs().max().item() for k in fp32["state"])
     assert 0 < drift < 1e-2, "bf16 rounding changes the weights a little"
+
+
+def _buckets_under_autocast():
+    import torch.distributed as dist
+
+    from dtlab import models
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = models.MLP(16, 64, 4)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    hook = precision.CompressionHook(torch.float16)
+    ddp.register_comm_hook(None, hook)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(ddp(torch.randn(8, 16)), torch.randint(0, 4, (8,)))
+    loss.backward()
+    seen = {"buckets": sorted(str(d) for d in hook.bucket_dtypes), "bytes": hook.bytes_sent,
+            "grad": str(model.net[0].weight.grad.dtype)}
+    dist.destroy_process_group()
+    return seen
+
+
+def test_ddp_hands_the_hook_fp32_buckets_under_autocast():
+    from dtlab import models
+
+    seen = run(_buckets_under_autocast, nprocs=2)[0]
+    assert seen["buckets"] == ["torch.float32"] and seen["grad"] == "torch.float32", "autocast leaves gradients fp32"
+    numel = models.count_parameters(models.MLP(16, 64, 4))
+    assert seen["bytes"] == 2 * numel, "the fp16 hook handed all_reduce 2 bytes per gradient element"

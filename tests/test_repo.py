@@ -57,9 +57,9 @@ def test_ruff_passes_on_package_tests_and_notebooks():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_ci_runs_the_readme_test_command():
+def test_ci_runs_the_readme_test_commands():
     ci = (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text()
-    assert "make test" in readme and "make course" in readme
-    commands = [line for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    assert commands[-1].strip() == "make test"
+    assert "make test" in readme and "make course" in readme and "make test-runtime" in readme
+    commands = [line.strip() for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert commands[-2:] == ["make test", "make test-runtime"]

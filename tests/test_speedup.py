@@ -42,3 +42,21 @@ def test_bad_inputs(kwargs):
     args = dict(t_compute=0.01, grad_bytes=1e6, n=2, bandwidth=1e9) | kwargs
     with pytest.raises(ValueError):
         speedup.predict(**args)
+
+
+def test_the_two_formulas_agree_only_at_two_processes():
+    """The reference's S = N / (1 + r(N-1)) vs the ring model's S = N t / (t + t_comm)."""
+    ring = speedup.predict(0.055, 40e-3 * 1e9 / 1.5, 4, 1e9)      # a 40 ms all-reduce on 4 GPUs
+    assert ring.comm_s == pytest.approx(0.040)
+    assert ring.speedup == pytest.approx(4 * 55 / 95)               # 2.32x, not 1.18x
+    assert speedup.seed_formula(4, 40 / 55) == pytest.approx(4 / (1 + 3 * 40 / 55))
+    assert speedup.predict(0.055, 0.044e9, 2, 1e9).speedup == pytest.approx(speedup.seed_formula(2, 0.8))
+    assert speedup.break_even_comm(4) == pytest.approx(3.0) and speedup.break_even_comm(4, 2.0) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_accumulation_pays_one_all_reduce_per_k_micro_batches(k):
+    """Synthetic times with a known answer: 10 ms per micro-batch, a 20 ms all-reduce, 2 processes."""
+    p = speedup.predict(0.010, 20e-3 * 1e9, 2, 1e9, accumulation=k)   # 2(N-1)/N = 1 -> 20 ms
+    assert p.compute_s == pytest.approx(0.010 * k) and p.comm_s == pytest.approx(0.020)
+    assert p.speedup == pytest.approx(2 * 0.010 * k / (0.010 * k + 0.020))

@@ -10,15 +10,21 @@
 #                    reference, "{{secrets/<scope>/<key>}}": Databricks fills it in on the node, and
 #                    the token never appears in a file, a log line or the cluster's configuration page.
 #
-# --no-deps: the ML runtime already has torch and numpy (dtlab's only dependencies); letting pip
-# "upgrade" torch here would replace the runtime's CUDA build. databricks-bundles (pure Python, no
-# dependencies) is for notebook 11's offline validation of these cluster files.
+# What a cluster start must not depend on: PyPI. dtlab is installed with --no-deps (the ML runtime has
+# torch and numpy, dtlab's only dependencies: letting pip "upgrade" torch would replace the runtime's
+# CUDA build) and --no-build-isolation (build isolation downloads setuptools from PyPI; the runtime
+# has it). Never install requirements.txt on a cluster: its pins (torch, PySpark, MLflow) would
+# shadow the runtime's own.
+# Optional tools are soft and driver-only: databricks-bundles (notebook 11's offline validation) and
+# py-spy (notebook 10's stack dumps). When PyPI cannot be reached they are skipped with a line in this
+# log, and the lessons that use them say so; the cluster still starts.
 # The log of this script is in the cluster's init-script logs (Compute > the cluster > Event log).
 set -euo pipefail
 
 DTLAB_SOURCE="${DTLAB_SOURCE:-/Workspace/Shared/dtlab}"
-DATABRICKS_BUNDLES_VERSION="1.22.1"   # the pin in requirements.txt
-PIP=/databricks/python/bin/pip
+DATABRICKS_BUNDLES_VERSION="1.22.1"   # the pins in requirements.txt
+PY_SPY_VERSION="0.4.3"
+PIP="${DTLAB_PIP:-/databricks/python/bin/pip}"   # DTLAB_PIP: for testing this script elsewhere
 
 case "$DTLAB_SOURCE" in
   git+https://*)
@@ -27,12 +33,12 @@ case "$DTLAB_SOURCE" in
       url="git+https://x-access-token:${DTLAB_GIT_TOKEN}@${DTLAB_SOURCE#git+https://}"
     fi
     echo "dtlab: installing from ${DTLAB_SOURCE}"   # the URL without the token
-    "$PIP" install --quiet --no-deps "$url"
+    "$PIP" install --quiet --no-deps --no-build-isolation "$url"
     ;;
   *)
     src="$DTLAB_SOURCE"
     # Bundles and older CLIs write workspace paths with or without the /Workspace mount prefix.
-    [[ "$src" == /Workspace/* ]] || src="/Workspace${src}"
+    [[ -d "$src" || "$src" == /Workspace/* ]] || src="/Workspace${src}"
     if [[ ! -f "$src/pyproject.toml" ]]; then
       echo "dtlab: no pyproject.toml in ${src}. Fix: put this repository there (a Git folder, or" \
            "databricks sync . ${src}), or set DTLAB_SOURCE in the cluster's spark_env_vars." >&2
@@ -41,11 +47,21 @@ case "$DTLAB_SOURCE" in
     # Build from a local copy: pip writes build files next to the source, and the workspace
     # folder is shared by every node (and may be read-only to this script).
     build="$(mktemp -d)"
+    trap 'rm -rf "$build"' EXIT
     cp -r "$src/pyproject.toml" "$src/README.md" "$src/dtlab" "$build/"
     echo "dtlab: installing from ${src}"
-    "$PIP" install --quiet --no-deps "$build"
+    "$PIP" install --quiet --no-deps --no-build-isolation "$build"
     ;;
 esac
-
-"$PIP" install --quiet "databricks-bundles==${DATABRICKS_BUNDLES_VERSION}"
 echo "dtlab: installed"
+
+# Optional, driver only, never fatal (DB_IS_DRIVER is TRUE on the driver node).
+if [[ "${DB_IS_DRIVER:-}" == "TRUE" ]]; then
+  if timeout 180 "$PIP" install --quiet "databricks-bundles==${DATABRICKS_BUNDLES_VERSION}" "py-spy==${PY_SPY_VERSION}"; then
+    echo "dtlab: optional tools installed (databricks-bundles, py-spy)"
+  else
+    echo "dtlab: optional tools not installed (PyPI unreachable?): notebook 11's offline validation and" \
+         "notebook 10's py-spy section will say so; the course runs without them"
+  fi
+fi
+exit 0

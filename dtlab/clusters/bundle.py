@@ -7,6 +7,10 @@
   nobody reads is a typo); a notebook's ``nprocs`` does not exceed the GPUs of its node;
 * job clusters and ``resources.clusters`` follow the course's cluster rules (``rules.py``);
 * no literal credentials anywhere (only ``{{secrets/scope/key}}`` references).
+
+What could not be checked is not a problem but a *note* (``bundle_notes``): on Databricks Runtime
+before 16.2 a deployed notebook exists in the workspace but cannot be read as a file, so its
+parameters are not compared with ``base_parameters`` there; a checkout can check them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ from dtlab import course
 from dtlab.clusters.problems import join, suggest
 from dtlab.clusters.rules import cluster_problems, node_type
 from dtlab.clusters.schema import model_problems, strict_models
+
+#: Said once per bundle when some notebook exists but cannot be read as a file.
+UNREADABLE_NOTEBOOKS = ("notebooks are not readable as files on this runtime (Databricks Runtime 16.2+ makes them "
+                        "readable): their parameters were not checked here; `dtlab clusters validate` in a checkout "
+                        "checks them")
 
 _VAR = re.compile(r"\$\{var\.([A-Za-z_][\w-]*)\}")
 _SECRET_REF = re.compile(r"^\{\{secrets/[^/{}]+/[^/{}]+\}\}$")
@@ -76,13 +85,15 @@ def secret_problems(value: Any, where: str = "") -> list[str]:
     return []
 
 
-def job_problems(job: dict, where: str, base: Path) -> list[str]:
+def job_problems(job: dict, where: str, base: Path, notes: list[str] | None = None) -> list[str]:
     """Tasks, job clusters and notebooks of one job of a bundle.
 
     Args:
         job: the job (``resources.jobs.<name>``), with variables already resolved.
         where: its key path, e.g. ``resources.jobs.dtlab_course``.
         base: the bundle's folder (notebook paths are relative to it).
+        notes: where to add what could not be checked (``UNREADABLE_NOTEBOOKS`` when a notebook exists
+            but cannot be read as a file, as on Databricks Runtime before 16.2); ignored when None.
 
     Returns:
         Problems as ``"key.path: what. Fix: how"``.
@@ -109,18 +120,22 @@ def job_problems(job: dict, where: str, base: Path) -> list[str]:
         if not nb_task.get("notebook_path"):
             continue
         nb_path = (base / nb_task["notebook_path"]).resolve()
-        if not nb_path.is_file():
-            others = [p.name for p in sorted(nb_path.parent.glob("*.ipynb"))]
+        if not nb_path.exists():
+            others = [p.name for p in sorted(nb_path.parent.glob("*.ipynb"))] if nb_path.parent.is_dir() else []
             close = difflib.get_close_matches(nb_path.name, others, n=1, cutoff=0.85)
             fix = f"did you mean {close[0]!r}?" if close else f"create it, or use one of {', '.join(others) or 'none'}"
             problems.append(f"{at}.notebook_task.notebook_path: {nb_task['notebook_path']} does not exist. Fix: {fix}")
             continue
-        names = list(course.notebook_parameters(nb_path))
         params = nb_task.get("base_parameters") or {}
-        for name in params:
-            if name not in names:
-                problems.append(f"{at}.notebook_task.base_parameters.{name}: {nb_path.name} has no parameter "
-                                f"{name!r} (a widget nobody reads). Fix: {suggest(name, names)}")
+        names = _notebook_parameters(nb_path)
+        if names is None:  # it is there, but this runtime cannot read it as a file: not a problem of the bundle
+            if notes is not None and UNREADABLE_NOTEBOOKS not in notes:
+                notes.append(UNREADABLE_NOTEBOOKS)
+        else:
+            for name in params:
+                if name not in names:
+                    problems.append(f"{at}.notebook_task.base_parameters.{name}: {nb_path.name} has no parameter "
+                                    f"{name!r} (a widget nobody reads). Fix: {suggest(name, names)}")
         gpu = node_type(clusters.get(cluster_key) or {})
         nprocs = str(params.get("nprocs", "None"))
         if gpu and nprocs.isdigit() and int(nprocs) > gpu.gpus:
@@ -129,12 +144,27 @@ def job_problems(job: dict, where: str, base: Path) -> list[str]:
     return problems
 
 
-def bundle_problems(doc: dict, path: Path) -> list[str]:
+def _notebook_parameters(path: Path) -> list[str] | None:
+    """The parameters a notebook declares, or None when it exists but cannot be read as a file.
+
+    On Databricks Runtime before 16.2, a notebook in the workspace is not a file to the node's
+    Python: opening it fails (``OSError``: permission, "operation not supported", a directory).
+    """
+    if path.is_dir():
+        return None
+    try:
+        return list(course.notebook_parameters(path))
+    except OSError:  # IsADirectoryError and PermissionError included
+        return None
+
+
+def bundle_problems(doc: dict, path: Path, notes: list[str] | None = None) -> list[str]:
     """Everything wrong with a loaded bundle (``databricks.yml``), credentials aside.
 
     Args:
         doc: the loaded bundle.
         path: its file (notebook paths are relative to its folder).
+        notes: where to add what could not be checked (see ``job_problems``); ignored when None.
 
     Returns:
         Problems as ``"key.path: what. Fix: how"``.
@@ -156,8 +186,34 @@ def bundle_problems(doc: dict, path: Path) -> list[str]:
     for name, job in (resources.get("jobs") or {}).items():
         where = f"resources.jobs.{name}"
         found = model_problems(Job, job, where)
-        problems += found or job_problems(job, where, path.parent)
+        problems += found or job_problems(job, where, path.parent, notes)
     for name, spec in (resources.get("clusters") or {}).items():
         where = f"resources.clusters.{name}"
         problems += model_problems(Cluster, spec, where) or cluster_problems(spec, where)
     return problems
+
+
+def bundle_notes(path: str | Path) -> list[str]:
+    """What validating the bundle at ``path`` could not check, as sentences to show beside its result.
+
+    Today one case: notebooks that exist but cannot be read as files (Databricks Runtime before 16.2),
+    whose parameters are then not compared with the tasks' ``base_parameters``. Empty in a checkout.
+
+    Args:
+        path: the bundle file (``databricks.yml``).
+
+    Returns:
+        The notes (``[]`` when everything could be checked, or when ``path`` is not a bundle).
+    """
+    import yaml
+
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return []  # validate() reports the syntax error
+    if not isinstance(doc, dict) or not ("bundle" in doc or "resources" in doc):
+        return []
+    notes: list[str] = []
+    bundle_problems(doc, path, notes)
+    return notes
