@@ -132,3 +132,24 @@ def gpu_problem_of(conf: dict, driver_resources: set, local_mode: bool) -> str |
             "so TorchDistributor(local_mode=True, use_gpu=True) would raise 'GPUs were unable to be found on the "
             "driver'. Fix: set spark.driver.resource.gpu.amount and a discovery script in the cluster's "
             "spark_conf (dtlab.spark.session(gpus=N) does it for a local Spark)")
+
+
+def stop(spark) -> None:
+    """Stop ``spark`` and the Java process behind it (``SparkSession.stop`` leaves the JVM running until
+    Python exits). For a local session only: on Databricks the cluster's session is not yours to stop."""
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    spark.stop()
+    if gateway is None:
+        return
+    proc = getattr(gateway, "proc", None)
+    gateway.shutdown()
+    if proc is not None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except Exception:
+            proc.kill()
+    SparkContext._gateway = None
+    SparkContext._jvm = None

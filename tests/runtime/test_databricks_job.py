@@ -90,7 +90,7 @@ def test_barrier_mode_with_gpus_on_the_single_node_cluster_is_refused_by_pyspark
         problem = dtspark.gpu_problem(spark, local_mode=False)
         assert problem and "single-node" in problem
     finally:
-        spark.stop()
+        dtspark.stop(spark)
 
 
 def test_the_interpreter_has_no_console_scripts_beside_it_but_python_m_works(job):
@@ -127,14 +127,8 @@ def test_the_workspace_store_refuses_a_missing_parent_folder(job):
 @pytest.mark.timeout(600)
 def test_the_init_script_installs_dtlab_without_pypi_and_keeps_optional_tools_soft(tmp_path, job):
     """Break 7: the init script needed PyPI at boot (build isolation) and failed the cluster on any error."""
-    venv = tmp_path / "node-python"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    # the node's python sees the runtime's packages, as /databricks/python3 does
-    site = next((venv / "lib").glob("python3.*")) / "site-packages"
-    (site / "runtime.pth").write_text(str(Path(sys.executable).resolve().parents[1] / "lib" / site.parent.name
-                                          / "site-packages") + "\n")
-    pip = tmp_path / "pip"
-    pip.write_text(f"#!/bin/sh\nexec {venv / 'bin' / 'python'} -m pip \"$@\"\n")
+    pip = tmp_path / "pip"                     # the node's pip: the runtime's own (PIP_TARGET keeps it clean)
+    pip.write_text(f"#!/bin/sh\nexec {sys.executable} -m pip \"$@\"\n")
     pip.chmod(0o755)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DTLAB_PIP": str(pip), "DB_IS_DRIVER": "TRUE",
            "DTLAB_SOURCE": str(job.workspace), "PIP_INDEX_URL": "http://127.0.0.1:9/simple",  # no PyPI
