@@ -26,6 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from dtlab import _compat  # noqa: F401  (fixes torch 2.3's gloo teardown deadlock)
+
 #: busbw / algbw for each collective on N ranks.
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,

@@ -35,7 +35,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from dtlab import distributed
+from dtlab import (
+    _compat,  # noqa: F401  (fixes torch 2.3's gloo teardown deadlock)
+    distributed,
+)
 
 
 class CheckpointError(RuntimeError):

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dtlab import _compat  # noqa: F401  (fixes torch 2.3's gloo teardown deadlock)
 from dtlab.environment import plan
 
 T = TypeVar("T")

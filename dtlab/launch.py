@@ -54,7 +54,7 @@ from typing import Any
 DEFAULT_LAUNCH_TIMEOUT = 600.0
 
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "torch.distributed", "dtlab.launch"])
+_ctx.set_forkserver_preload(["torch", "torch.distributed", "dtlab._compat", "dtlab.launch"])
 
 
 class LaunchError(RuntimeError):

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 
 import torch
 
+from dtlab import _compat  # noqa: F401  (fixes torch 2.3's gloo teardown deadlock)
+
 #: The four phases of a training step, in order, as the course labels them with
 #: ``torch.profiler.record_function``.
 PHASES = ("data", "forward", "backward", "optimizer")

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtlab import _compat  # noqa: F401  (fixes torch 2.3's gloo teardown deadlock)
+
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
     """Number of parameters, counting shared (tied) tensors once."""

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dtlab import _compat  # noqa: F401  (fixes torch 2.3's gloo teardown deadlock)
+
 
 def formats() -> list[dict]:
     """fp32, fp16 and bf16: total bits, exponent/mantissa bits, largest value, smallest normal, epsilon."""
