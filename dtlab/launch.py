@@ -231,7 +231,8 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
     for rank in range(nprocs):
         worker_env = {**caller_env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                       "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                      "OMP_NUM_THREADS": threads, **(env or {})}
+                      # DeepSpeed's name for LOCAL_WORLD_SIZE (its CPU accelerator runs `numactl` without it)
+                      "LOCAL_SIZE": str(nprocs), "OMP_NUM_THREADS": threads, **(env or {})}
         procs.append(_ctx.Process(target=_worker, args=(payload, rank, worker_env, q), daemon=True,
                                   name=f"dtlab-rank{rank}"))
     results: dict[int, Any] = {}

@@ -46,6 +46,16 @@ else
   say "packages up to date ($VENV)"
 fi
 
+# DeepSpeed 0.14's CPU accelerator (this machine has no GPU) counts its "devices" with `numactl
+# --hardware` (the deepspeed launcher and ZeRO-3 call it); on a GPU node it uses CUDA and never does.
+if ! command -v numactl >/dev/null; then
+  say "installing numactl (Debian) for DeepSpeed 0.14's CPU accelerator"
+  if ! { apt-get install -y -qq numactl >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 &&
+         apt-get install -y -qq numactl >/dev/null 2>&1; }; }; then
+    say "could not install numactl (needs root and Debian's apt): the deepspeed launcher will fail on CPU"
+  fi
+fi
+
 t=$SECONDS
 bash scripts/build_horovod.sh "$PY"
 bash scripts/build_deepspeed.sh "$PY" "$DEEPSPEED_VERSION"

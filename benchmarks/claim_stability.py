@@ -1,0 +1,68 @@
+"""How often does each claim of the course hold? Re-run the notebooks whose claims rest on timings.
+
+    .venv/bin/python benchmarks/claim_stability.py [--rounds 20] [--notebooks 01 02 03 04 05 08 10]
+
+Each round runs the chosen notebooks with their CI parameters (as the tests do) into a fresh
+folder, one after another, and reads the claims each notebook recorded (``dtlab.notebook.Claims``
+writes ``<notebook>.claims.json``). For every claim it prints how many rounds it held in, and the
+spread (min / median / max) of the measured values it rests on. A notebook that failed before its
+claims cell counts as a failure of all its claims (named in the table). Run it on an idle machine:
+its purpose is to show that a claim holds run after run, not only once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from dtlab import course
+
+TIMING_NOTEBOOKS = ["01", "02", "03", "04", "05", "08", "10"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--notebooks", nargs="*", default=TIMING_NOTEBOOKS)
+    args = ap.parse_args()
+    notebooks = course.resolve(args.notebooks, course.find_notebooks())
+    held: dict[tuple[str, str], list[bool]] = defaultdict(list)
+    values: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    failures: dict[str, list[str]] = defaultdict(list)
+    start = time.monotonic()
+    for rnd in range(args.rounds):
+        with tempfile.TemporaryDirectory(prefix="claims-") as folder:
+            for nb in notebooks:
+                result = course.run_one(nb, Path(folder), ci=True, stream=False)
+                path = Path(folder) / f"{nb.stem}.claims.json"
+                if not path.exists():
+                    failures[nb.stem].append(f"round {rnd + 1}: cell {result.failing_cell}: {result.error}")
+                    for key in [k for k in held if k[0] == nb.stem]:
+                        held[key].append(False)
+                    continue
+                for claim in json.loads(path.read_text()):
+                    key = (nb.stem, claim["claim"])
+                    held[key].append(claim["holds"])
+                    for name, value in claim["measured"].items():
+                        if isinstance(value, (int, float)) and not isinstance(value, bool):
+                            values[key][name].append(float(value))
+        print(f"round {rnd + 1}/{args.rounds} done ({time.monotonic() - start:.0f} s)", flush=True)
+    print(f"\n{args.rounds} rounds of {', '.join(nb.stem for nb in notebooks)} with CI parameters, "
+          f"{time.monotonic() - start:.0f} s\n")
+    print("| notebook | claim | held | measured values: min / median / max |")
+    print("|---|---|---:|---|")
+    for (nb, claim), results in held.items():
+        spreads = "; ".join(f"{name} {min(v):.3g} / {statistics.median(v):.3g} / {max(v):.3g}"
+                            for name, v in values[(nb, claim)].items())
+        print(f"| {nb[:2]} | {claim} | {sum(results)}/{len(results)} | {spreads} |")
+    for nb, lines in failures.items():
+        print(f"\n{nb} failed before its claims in {len(lines)} round(s):", *lines, sep="\n  ")
+
+
+if __name__ == "__main__":
+    main()
