@@ -102,6 +102,8 @@ def _clusters_validate(args: argparse.Namespace) -> int:
         print(f"ok       {path}" if not problems else f"INVALID  {path}")
         for problem in problems:
             print(f"  - {problem}")
+        for note in clusters.bundle_notes(path):
+            print(f"  note: {note}")
     print(f"{len(paths) - invalid} valid, {invalid} invalid")
     return 1 if invalid else 0
 

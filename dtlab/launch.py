@@ -54,7 +54,8 @@ from typing import Any
 DEFAULT_LAUNCH_TIMEOUT = 600.0
 
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "torch.distributed", "dtlab._compat", "dtlab.launch"])
+# torch._dynamo: the first torch.optim optimizer imports it, ~5 s per worker when not preloaded.
+_ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "dtlab._compat", "dtlab.launch"])
 
 
 class LaunchError(RuntimeError):
@@ -140,6 +141,10 @@ def _worker(payload: bytes, rank: int, env: dict[str, str], q: Any) -> None:
     os.environ.clear()  # the fork server's environment is as old as the first launch: use the caller's
     os.environ.update(env)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # torch was imported before the env was set
+    import torch.distributed as dist
+
+    if dist.is_available():
+        dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG arrived after torch.distributed was imported
     _die_with_parent()
     sys.stdout = _StreamToQueue(q, rank, "stdout")
     sys.stderr = _StreamToQueue(q, rank, "stderr")

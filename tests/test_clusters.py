@@ -130,7 +130,9 @@ def test_the_process_tag_is_what_the_cluster_offers(path):
 def test_the_job_runs_every_notebook_in_order():
     job = clusters.load(ROOT / "databricks.yml")["resources"]["jobs"]["dtlab_course"]
     tasks = job["tasks"]
-    stems = [Path(t["notebook_task"]["notebook_path"]).stem for t in tasks]
+    assert tasks[-1]["task_key"] == "job_summary" and tasks[-1]["run_if"] == "ALL_DONE", "a summary ends the job"
+    assert (ROOT / tasks[-1]["spark_python_task"]["python_file"]).is_file()
+    stems = [Path(t["notebook_task"]["notebook_path"]).stem for t in tasks if "notebook_task" in t]
     assert stems == sorted(stems) and stems[0].startswith("00") and stems[-1].startswith("11")
     present = {p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
     assert present <= set(stems), f"notebooks missing from the job: {present - set(stems)}"

@@ -26,12 +26,14 @@ package checks the course's files offline, in two layers, one concern per file:
 From the shell: ``dtlab clusters validate [PATH ...]`` (default: ``clusters/*.yml`` and ``databricks.yml``).
 """
 
+from dtlab.clusters.bundle import bundle_notes
 from dtlab.clusters.files import check, default_paths, find_root, load, validate
 from dtlab.clusters.offer import Offer, offers
 from dtlab.clusters.problems import ClusterConfigError
 from dtlab.clusters.rules import GPU_NODE_TYPES, NodeType, cluster_problems, is_single_node, node_type
 from dtlab.clusters.schema import BUNDLES_PIN, schema_problems
 
-__all__ = ["BUNDLES_PIN", "GPU_NODE_TYPES", "ClusterConfigError", "NodeType", "Offer", "check", "cluster_problems",
+__all__ = ["BUNDLES_PIN", "GPU_NODE_TYPES", "ClusterConfigError", "NodeType", "Offer", "bundle_notes", "check",
+           "cluster_problems",
            "default_paths", "find_root", "is_single_node", "load", "node_type", "offers", "schema_problems",
            "validate"]

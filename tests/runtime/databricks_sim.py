@@ -62,9 +62,25 @@ class _Widgets:
         raise ValueError(f"InputWidgetNotDefined: No input widget named {name} is defined")
 
 
+class _NoContext:
+    """What MLflow asks dbutils for (the notebook's context): there is none in this simulation."""
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"dbutils.entry_point...{name}: no Databricks notebook context in the simulation")
+
+
+class _EntryPoint:
+    def getDbutils(self):
+        return self
+
+    def notebook(self):
+        return _NoContext()
+
+
 class _DBUtils:
     def __init__(self, values):
         self.widgets = _Widgets(values)
+        self.entry_point = _EntryPoint()   # MLflow 2.13 reads the notebook context through it
 
 
 dbutils = _DBUtils(_json.loads(_os.environ.get("DTLAB_SIM_WIDGETS", "{}")))

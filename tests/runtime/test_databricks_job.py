@@ -15,7 +15,6 @@ writes the job summary every lesson's status goes into.
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from databricks_sim import ROOT, Job, Task, load_tasks, single_node_spark_conf
