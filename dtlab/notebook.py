@@ -73,9 +73,10 @@ def apply_databricks_widgets(namespace: dict[str, Any], names: list[str]) -> dic
         try:
             value = _convert(text, default)
         except (ValueError, SyntaxError) as exc:
+            kind = {bool: "true or false", int: "whole number", float: "number"}.get(type(default), "Python literal")
             raise ValueError(f"widget {name}={text!r} cannot be used as {type(default).__name__} "
-                             f"(default {default!r}): {exc}. Fix: set the job parameter {name} to a "
-                             f"{type(default).__name__}, e.g. \"{default}\"") from None
+                             f"(default {default!r}): {exc}. Fix: set the job parameter {name} to a {kind}, "
+                             f"e.g. \"{default}\"") from None
         if value != default:
             namespace[name] = changed[name] = value
     return changed

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from dtlab.launch import run
 
 STEPS, LOCAL_BATCH = 3, 8
-TOL = 1e-5
 
 
 def _model():
@@ -76,8 +75,10 @@ def ddp_result():
 def test_zero_stage_trains_the_same_weights_as_ddp_and_holds_what_the_model_says(stage, ddp_result):
     results = run(train, stage, nprocs=2, timeout=300)
     for r in results:
+        # Two ranks sum a gradient in one order only, and DeepSpeed runs torch's AdamW here
+        # (ds_config's torch_adam): the same arithmetic as DDP, so the same bits.
         diff = max((r["state"][k] - ddp_result["state"][k]).abs().max().item() for k in r["state"])
-        assert diff < TOL, f"stage {stage} drifted from DDP by {diff:.2e}"
+        assert diff == 0, f"stage {stage} drifted from DDP by {diff:.2e}"
 
     psi, n = sum(p.numel() for p in _model().parameters()), 2
     pad = 8  # DeepSpeed pads each shard to an alignment: allow a few elements

@@ -185,3 +185,17 @@ def test_dtlab_env_names_libraries_installed_over_the_runtime(monkeypatch):
         assert "MISMATCH" in text and "install only dtlab" in text
     monkeypatch.delenv("DATABRICKS_RUNTIME_VERSION")
     assert environment.runtime_mismatches() == []
+
+
+def test_the_supported_ranges_start_at_the_runtimes_versions():
+    """pyproject.toml's lower bounds are Databricks Runtime 15.4 LTS ML's versions, never newer."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    specs = project["dependencies"] + [d for extra in project["optional-dependencies"].values() for d in extra]
+    lower = {m.group(1).lower(): m.group(2) for d in specs if (m := re.fullmatch(r"([\w-]+)>=([\d.]+)", d))}
+    shipped = environment.DATABRICKS_RUNTIME_STACKS["15.4"]
+    both = set(lower) & set(shipped)
+    assert {"torch", "numpy", "pyspark", "mlflow", "pandas", "pyarrow", "cloudpickle"} <= both
+    assert all(lower[p] == shipped[p] for p in both), {p: (lower[p], shipped[p]) for p in both}

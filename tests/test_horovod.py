@@ -10,13 +10,13 @@ from test_data_parallel import (
     LOCAL_BATCH,
     LR,
     STEPS,
-    TOL,
     _perturbed,
     loss_of,
     make_batches,
     make_model,
     max_diff,
     reference,
+    tolerance,
     train_distributed,
 )
 
@@ -58,8 +58,9 @@ def test_horovod_equals_one_process_and_ddp(kind):
     ddp = run(train_distributed, kind, "ddp", nprocs=2)[0]
     ref = reference(kind, 2)
     for r in results:
-        assert max_diff(r["state"], ref) < TOL
-    assert max_diff(results[0]["state"], ddp["state"]) < TOL
+        assert max_diff(r["state"], ref) <= tolerance(ref, 2)
+    # Horovod averages (g0 + g1) / 2, DDP g0 / 2 + g1 / 2: the same float32 numbers for two ranks
+    assert max_diff(results[0]["state"], ddp["state"]) == 0
 
 
 def test_fp16_compression_stays_close_but_is_not_exact():

@@ -43,3 +43,39 @@ def test_a_bad_widget_value_names_the_parameter():
     with pytest.raises(ValueError, match="widget epochs='three' cannot be used as int"):
         apply_databricks_widgets(ns, ["epochs"])
 
+
+
+class Conf:
+    def __init__(self, version):
+        self.version = version
+
+    def get(self, key):
+        assert key == "spark.databricks.clusterUsageTags.sparkVersion"
+        return self.version
+
+
+class Spark:
+    """The one attribute of a Databricks SparkSession the check reads."""
+
+    def __init__(self, version):
+        self.conf = Conf(version)
+
+
+def test_a_cluster_without_an_ml_runtime_is_refused_with_the_fix(capsys):
+    from dtlab.notebook import RuntimeMismatch, check_databricks_runtime
+
+    with pytest.raises(RuntimeMismatch, match="not an ML runtime.*Fix: .*15.4.x-gpu-ml-scala2.12"):
+        apply_databricks_widgets({"epochs": 3, "dbutils": DbUtils({}), "spark": Spark("15.4.x-scala2.12")},
+                                 ["epochs"])
+    assert check_databricks_runtime(Spark("15.4.x-cpu-ml-scala2.12")) == "15.4.x-cpu-ml-scala2.12"
+    assert "CPU runtime" in capsys.readouterr().out
+    assert check_databricks_runtime(Spark("15.4.x-gpu-ml-scala2.12")) == "15.4.x-gpu-ml-scala2.12"
+
+
+def test_a_widget_of_the_wrong_type_names_the_parameter_and_a_value_that_works():
+    ns = {"epochs": 3, "lr": 0.1, "dbutils": DbUtils({"epochs": "two"})}
+    with pytest.raises(ValueError, match=r'widget epochs=.two. cannot be used as int.*Fix: set the job parameter '
+                                         r'epochs to a whole number, e.g. "3"'):
+        apply_databricks_widgets(ns, ["epochs"])
+    with pytest.raises(ValueError, match="expected a whole number"):
+        apply_databricks_widgets({"epochs": 3, "dbutils": DbUtils({"epochs": "2.5"})}, ["epochs"])

