@@ -38,10 +38,14 @@ def _ci_widgets(task: Task) -> dict[str, str]:
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("task", TASKS, ids=[t.key for t in TASKS])
 def test_each_lesson_runs_as_a_databricks_job_task(job, task):
+    folder = job.workspace / "notebooks"
+    before = sorted(p.name for p in folder.iterdir())
     result = job.run(task, _ci_widgets(task))
     RESULTS[task.key] = result
     assert result.status == "ok", f"{task.key} failed at cell {result.failing_cell}: {result.error}\n{result.output}"
     assert not result.leftovers, f"{task.key} left processes running: {result.leftovers}"
+    # Break 6: checkpoints and scripts went into the notebook's (workspace) folder; now to local scratch.
+    assert sorted(p.name for p in folder.iterdir()) == before, f"{task.key} wrote into the workspace folder"
 
 
 def test_the_job_summary_lists_every_lesson(job, tmp_path):
@@ -99,6 +103,15 @@ def test_the_interpreter_has_no_console_scripts_beside_it_but_python_m_works(job
     out = subprocess.run([str(python), "-m", "torch.distributed.run", "--help"], capture_output=True, text=True,
                          timeout=120, env={"PATH": "/usr/bin:/bin"})
     assert out.returncode == 0 and "nproc" in out.stdout
+
+
+def test_no_profiler_beside_the_interpreter_and_dtlab_says_where_it_looked(job):
+    """Break 3: notebook 10 ran py-spy from beside sys.executable; nothing installs it on the runtime."""
+    code = "from dtlab import environment; print(environment.console_script('py-spy'))"
+    env = {k: v for k, v in job.environment(TASKS[0], {}).items() if v}
+    out = subprocess.run([str(job.python), "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert not (job.python.parent / "py-spy").exists()
+    assert out.stdout.strip() == "None", out.stdout + out.stderr     # the runtime's stack has no py-spy
 
 
 def test_notebooks_cannot_be_read_as_files_and_the_validator_says_so_instead_of_failing(job):
