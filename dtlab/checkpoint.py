@@ -83,7 +83,8 @@ def load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> d
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as exc:
-        if "Unsupported global" in str(exc):  # a pickled class/function, not a corrupt file
+        if "Unsupported global" in str(exc) or "Unsupported class" in str(exc):  # code, not a corrupt file
+            # (torch >= 2.4 says "global", 2.3 — Databricks 15.4 — says "class")
             raise CheckpointError(f"{path} holds Python objects that weights_only=True refuses to unpickle "
                                   "(only tensors, numbers, strings and containers are allowed). Fix: save "
                                   "plain state_dicts (dtlab.checkpoint.training_state), or, if you trust the "

@@ -18,9 +18,10 @@ works on notebook functions, lambdas and closures.
 
 Like torchrun, ``run`` only prepares each process's environment: the caller's ``os.environ`` *as it
 is at the call* (so an ``MLFLOW_TRACKING_URI``, ``NCCL_DEBUG`` or ``CUDA_VISIBLE_DEVICES`` set in the
-notebook a moment ago reaches the workers), plus ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``OMP_NUM_THREADS``; your function calls
-``init_process_group`` itself, because that line is part of every lesson.
+notebook a moment ago reaches the workers) and its working directory, plus ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` (and DeepSpeed's ``LOCAL_SIZE``), ``MASTER_ADDR``, ``MASTER_PORT`` and
+``OMP_NUM_THREADS``; your function calls ``init_process_group`` itself, because that line is part of
+every lesson.
 
 What it adds over a bare spawn:
 * results come back in rank order;
@@ -133,13 +134,14 @@ def _call_keeping_locals(fn: Callable[..., Any], args: tuple, kwargs: dict) -> t
         sys.setprofile(None)
 
 
-def _worker(payload: bytes, rank: int, env: dict[str, str], q: Any) -> None:
+def _worker(payload: bytes, rank: int, env: dict[str, str], cwd: str, q: Any) -> None:
     """Entry point of every worker process (runs in the child)."""
     import cloudpickle
     import torch
 
     os.environ.clear()  # the fork server's environment is as old as the first launch: use the caller's
     os.environ.update(env)
+    os.chdir(cwd)  # ... and so is its working directory
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # torch was imported before the env was set
     import torch.distributed as dist
 
@@ -238,7 +240,7 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
                       "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                       # DeepSpeed's name for LOCAL_WORLD_SIZE (its CPU accelerator runs `numactl` without it)
                       "LOCAL_SIZE": str(nprocs), "OMP_NUM_THREADS": threads, **(env or {})}
-        procs.append(_ctx.Process(target=_worker, args=(payload, rank, worker_env, q), daemon=True,
+        procs.append(_ctx.Process(target=_worker, args=(payload, rank, worker_env, os.getcwd(), q), daemon=True,
                                   name=f"dtlab-rank{rank}"))
     results: dict[int, Any] = {}
     try:

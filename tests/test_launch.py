@@ -192,3 +192,15 @@ def test_a_dead_rank_is_noticed_even_while_a_peer_prints_without_pause(capfd):
         launch.run(_chatty_rank_0_dead_rank_1, nprocs=2, timeout=60)
     capfd.readouterr()
     assert _no_workers_left()
+
+
+def _cwd():
+    return os.getcwd()
+
+
+def test_workers_start_in_the_callers_working_directory_at_each_launch(tmp_path, monkeypatch):
+    """Workers fork from a server started at the first launch; a notebook that changed directory since
+    (dtlab.notebook.use_scratch_dir) must not have its files written into the old one."""
+    launch.run(_cwd, nprocs=1)
+    monkeypatch.chdir(tmp_path)
+    assert launch.run(_cwd, nprocs=2) == [str(tmp_path)] * 2
