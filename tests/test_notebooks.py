@@ -1,21 +1,18 @@
-"""Every course notebook, executed headless: once as the course runs it, once with other parameters and
-its exercise solutions.
+"""Every course notebook, executed headless with its CI parameters on the course's own stack.
 
 Each notebook ends with a cell of claims on values it computed, so a pass here means the lesson's
-claims held on this machine, not just that the code ran. The second run uses the notebook's
-``alt_parameters`` (more processes, other batch sizes and epochs) on top of its CI parameters, and
-also runs the collapsed solution cells: a lesson must hold for any sensible parameters, and its
-solutions must keep working. Nothing a notebook starts may outlive it. New notebooks are picked up
-automatically.
+claims held on this machine, not just that the code ran. Nothing a notebook starts may outlive it.
+New notebooks are picked up automatically. Each notebook also runs a second time, with other
+parameters (3 processes where it takes ``nprocs``, other batch sizes and epochs) and its exercise
+solutions: here for the lessons on PyTorch alone, on the learner's runtime stack for the others
+(``tests/runtime/test_notebooks_other_parameters.py``; why, in ``tests/variants.py``).
 """
 
-from pathlib import Path
 
 import pytest
+from variants import NOTEBOOKS, ON_RUNTIME_STACK, check_second_run, second_runs
 
 from dtlab import course
-
-NOTEBOOKS = course.find_notebooks(Path(__file__).resolve().parent.parent / "notebooks")
 
 
 def test_the_course_has_notebooks():
@@ -35,7 +32,12 @@ def test_notebook_runs_and_its_claims_hold(notebook, tmp_path):
 
 
 @pytest.mark.notebook
-@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
+@pytest.mark.parametrize("notebook", second_runs("newest"), ids=[nb.stem for nb in second_runs("newest")])
 def test_notebook_holds_with_other_parameters_and_its_solutions_work(notebook, tmp_path):
-    assert course.alt_parameters(notebook), f"{notebook.name} needs alt_parameters in its metadata"
-    _check(course.run_one(notebook, tmp_path, ci=True, alt=True, solutions=True, stream=False), notebook)
+    check_second_run(notebook, tmp_path)
+
+
+def test_every_notebook_has_its_second_run_on_one_stack():
+    newest, runtime = second_runs("newest"), second_runs("runtime")
+    assert sorted(newest + runtime) == NOTEBOOKS and not set(newest) & set(runtime)
+    assert len(runtime) == len(ON_RUNTIME_STACK), f"a notebook of {ON_RUNTIME_STACK} is missing"

@@ -1,0 +1,33 @@
+"""Which library stack runs each notebook's second run: other parameters plus its exercise solutions.
+
+Every notebook runs with its CI parameters on both stacks (``make test`` on the newest libraries,
+``make test-runtime`` in the simulated Databricks job). The second run, with the notebook's
+``alt_parameters`` (3 processes where it takes ``nprocs``, other batch sizes and epochs) and its
+collapsed solution cells, happens once: on Databricks Runtime 15.4 LTS ML's stack for the lessons
+built on the libraries that differ most between the stacks and that most learners run there
+(Spark's TorchDistributor, Horovod, DeepSpeed, MLflow, the fault tools), on the newest stack for
+the lessons on PyTorch alone (where a newer torch's changes show first). Split this way both suites
+stay within their time budgets.
+"""
+
+from pathlib import Path
+
+from dtlab import course
+
+NOTEBOOKS = course.find_notebooks(Path(__file__).resolve().parent.parent / "notebooks")
+ON_RUNTIME_STACK = ("04", "05", "06", "09", "10")
+
+
+def second_runs(stack: str) -> list[Path]:
+    """The notebooks whose second run belongs to ``stack`` ("newest" or "runtime")."""
+    on_runtime = [nb for nb in NOTEBOOKS if nb.stem[:2] in ON_RUNTIME_STACK]
+    return on_runtime if stack == "runtime" else [nb for nb in NOTEBOOKS if nb not in on_runtime]
+
+
+def check_second_run(notebook: Path, folder: Path) -> None:
+    """Run ``notebook`` with its other parameters and its solutions into ``folder``; fail with where."""
+    assert course.alt_parameters(notebook), f"{notebook.name} needs alt_parameters in its metadata"
+    result = course.run_one(notebook, folder, ci=True, alt=True, solutions=True, stream=False)
+    assert result.status == "ok", (f"{notebook.name} failed at cell {result.failing_cell}: {result.error}\n"
+                                   f"executed copy: {result.output}")
+    assert not result.leftovers, f"{notebook.name} left processes running: {result.leftovers}"
