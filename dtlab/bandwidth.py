@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dtlab import _compat  # noqa: F401  (fixes torch 2.3's gloo teardown deadlock)
+from dtlab import _compat  # noqa: F401  (work-arounds for the runtime's torch and DeepSpeed)
 
 #: busbw / algbw for each collective on N ranks.
 BUS_FACTOR = {

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from dtlab import (
-    _compat,  # noqa: F401  (fixes torch 2.3's gloo teardown deadlock)
+    _compat,  # noqa: F401  (work-arounds for the runtime's torch and DeepSpeed)
     distributed,
 )
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
-from dtlab import _compat  # noqa: F401  (fixes torch 2.3's gloo teardown deadlock)
+from dtlab import _compat  # noqa: F401  (work-arounds for the runtime's torch and DeepSpeed)
 
 
 def synthetic_classification(n: int = 4096, features: int = 64, classes: int = 10, seed: int = 0,

@@ -51,6 +51,8 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
+from dtlab import _compat
+
 #: Seconds a launch may run before every worker is killed. Pass ``timeout=`` to change it.
 DEFAULT_LAUNCH_TIMEOUT = 600.0
 
@@ -303,6 +305,7 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
         _stop(procs)
         _drain(q, prefix_output)
         q.close()
+        _compat.remove_deepspeed_shm("127.0.0.1", port, range(nprocs))  # DeepSpeed leaves them behind
     return [results[r] for r in range(nprocs)]
 
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from dtlab import _compat  # noqa: F401  (fixes torch 2.3's gloo teardown deadlock)
+from dtlab import _compat  # noqa: F401  (work-arounds for the runtime's torch and DeepSpeed)
 
 #: The four phases of a training step, in order, as the course labels them with
 #: ``torch.profiler.record_function``.

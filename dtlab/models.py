@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtlab import _compat  # noqa: F401  (fixes torch 2.3's gloo teardown deadlock)
+from dtlab import _compat  # noqa: F401  (work-arounds for the runtime's torch and DeepSpeed)
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dtlab import _compat  # noqa: F401  (fixes torch 2.3's gloo teardown deadlock)
+from dtlab import _compat  # noqa: F401  (work-arounds for the runtime's torch and DeepSpeed)
 
 
 def formats() -> list[dict]:
