@@ -1,6 +1,6 @@
 """How often does each claim of the course hold? Re-run the notebooks whose claims rest on timings.
 
-    .venv/bin/python benchmarks/claim_stability.py [--rounds 20] [--notebooks 01 02 03 04 05 08 10]
+    .venv/bin/python benchmarks/claim_stability.py [--rounds 20] [--notebooks 01 02 03 04 05 08 10] [--table F]
 
 Each round runs the chosen notebooks with their CI parameters (as the tests do) into a fresh
 folder, one after another, and reads the claims each notebook recorded (``dtlab.notebook.Claims``
@@ -29,6 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--notebooks", nargs="*", default=TIMING_NOTEBOOKS)
+    ap.add_argument("--table", help="also write the table so far to this file after every round")
     args = ap.parse_args()
     notebooks = course.resolve(args.notebooks, course.find_notebooks())
     held: dict[tuple[str, str], list[bool]] = defaultdict(list)
@@ -52,16 +53,22 @@ def main() -> None:
                         if isinstance(value, (int, float)) and not isinstance(value, bool):
                             values[key][name].append(float(value))
         print(f"round {rnd + 1}/{args.rounds} done ({time.monotonic() - start:.0f} s)", flush=True)
-    print(f"\n{args.rounds} rounds of {', '.join(nb.stem for nb in notebooks)} with CI parameters, "
-          f"{time.monotonic() - start:.0f} s\n")
-    print("| notebook | claim | held | measured values: min / median / max |")
-    print("|---|---|---:|---|")
+        if args.table:  # the table so far, so a run stopped early still says what it saw
+            Path(args.table).write_text(_table(rnd + 1, notebooks, held, values, failures, start))
+    print(_table(args.rounds, notebooks, held, values, failures, start))
+
+
+def _table(rounds, notebooks, held, values, failures, start) -> str:
+    lines = [f"{rounds} rounds of {', '.join(nb.stem for nb in notebooks)} with CI parameters, "
+             f"{time.monotonic() - start:.0f} s", "",
+             "| notebook | claim | held | measured values: min / median / max |", "|---|---|---:|---|"]
     for (nb, claim), results in held.items():
         spreads = "; ".join(f"{name} {min(v):.3g} / {statistics.median(v):.3g} / {max(v):.3g}"
                             for name, v in values[(nb, claim)].items())
-        print(f"| {nb[:2]} | {claim} | {sum(results)}/{len(results)} | {spreads} |")
-    for nb, lines in failures.items():
-        print(f"\n{nb} failed before its claims in {len(lines)} round(s):", *lines, sep="\n  ")
+        lines.append(f"| {nb[:2]} | {claim} | {sum(results)}/{len(results)} | {spreads} |")
+    for nb, problems in failures.items():
+        lines += ["", f"{nb} failed before its claims in {len(problems)} round(s):", *(f"  {p}" for p in problems)]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
