@@ -59,6 +59,11 @@ def deepspeed_shm_buffers(addr: str, port: str | int, ranks: Iterable[int]) -> l
     return [SHM_FOLDER / f"deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}" for rank in ranks]
 
 
+def leftover_deepspeed_shm() -> set[Path]:
+    """Every DeepSpeed all-reduce buffer now in /dev/shm (tests check that none outlives them)."""
+    return set(SHM_FOLDER.glob("deepspeed_allreduce_buffer_*")) if SHM_FOLDER.is_dir() else set()
+
+
 def remove_deepspeed_shm(addr: str, port: str | int, ranks: Iterable[int]) -> int:
     """Unlink those files (safe once their ranks have exited); returns how many were there."""
     removed = 0

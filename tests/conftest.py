@@ -60,20 +60,14 @@ def no_process_outlives_its_test():
 
 # --- nor 66 MB of DeepSpeed shared memory per rank (see dtlab._compat) ------------------------------
 
-from pathlib import Path  # noqa: E402
-
-_SHM = Path("/dev/shm")
-
-
-def _deepspeed_shm() -> set[Path]:
-    return set(_SHM.glob("deepspeed_allreduce_buffer_*")) if _SHM.is_dir() else set()
+from dtlab._compat import SHM_FOLDER, leftover_deepspeed_shm  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def no_deepspeed_shared_memory_outlives_its_test():
-    before = _deepspeed_shm()
+    before = leftover_deepspeed_shm()
     yield
-    left = _deepspeed_shm() - before
+    left = leftover_deepspeed_shm() - before
     for path in left:
         path.unlink(missing_ok=True)
-    assert not left, f"DeepSpeed shared memory left in {_SHM}: {sorted(p.name for p in left)}"
+    assert not left, f"DeepSpeed shared memory left in {SHM_FOLDER}: {sorted(p.name for p in left)}"

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dtlab._compat import leftover_deepspeed_shm
 from dtlab.launch import run
 
 STEPS, LOCAL_BATCH = 3, 8
@@ -91,25 +92,21 @@ def test_zero_stage_trains_the_same_weights_as_ddp_and_holds_what_the_model_says
         assert h["grads"] == pytest.approx(psi if stage == 0 else psi / n, abs=pad)
 
 
-def _shm_buffers():
-    from dtlab._compat import SHM_FOLDER
-
-    return set(SHM_FOLDER.glob("deepspeed_allreduce_buffer_*")) if SHM_FOLDER.is_dir() else set()
-
-
 def _init_deepspeed():
+    import os
+
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    return int(__import__("os").environ["LOCAL_SIZE"])
+    return int(os.environ["LOCAL_SIZE"])
 
 
 def test_a_launch_leaves_no_deepspeed_shared_memory_behind():
     # DeepSpeed's CPU all-reduce creates a 66 MB /dev/shm file per rank and never removes it (324 of them,
     # 21 GB, had filled this machine's memory); dtlab.launch removes its workers' files after they exit.
-    before = _shm_buffers()
+    before = leftover_deepspeed_shm()
     assert run(_init_deepspeed, nprocs=2, backend="gloo") == [2, 2]
-    assert _shm_buffers() - before == set()
+    assert leftover_deepspeed_shm() - before == set()
 
 
 def test_a_process_that_imports_dtlab_removes_its_deepspeed_shared_memory_at_exit(tmp_path):
@@ -125,9 +122,9 @@ def test_a_process_that_imports_dtlab_removes_its_deepspeed_shared_memory_at_exi
             "deepspeed.init_distributed(dist_backend='gloo')\n"
             "from dtlab._compat import deepspeed_shm_buffers\n"
             "print(all(p.exists() for p in deepspeed_shm_buffers('127.0.0.1', os.environ['MASTER_PORT'], [0])))\n")
-    before = _shm_buffers()
+    before = leftover_deepspeed_shm()
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "True", "DeepSpeed no longer creates it: drop the work-around"
-    assert _shm_buffers() - before == set()
+    assert leftover_deepspeed_shm() - before == set()

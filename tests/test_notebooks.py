@@ -10,7 +10,7 @@ solutions: here for the lessons on PyTorch alone, on the learner's runtime stack
 
 
 import pytest
-from variants import NOTEBOOKS, ON_RUNTIME_STACK, check_second_run, second_runs
+from variants import NOTEBOOKS, ON_RUNTIME_STACK, check_result, check_second_run, second_runs
 
 from dtlab import course
 
@@ -19,16 +19,10 @@ def test_the_course_has_notebooks():
     assert [nb.stem[:2] for nb in NOTEBOOKS][:2] == ["00", "01"]
 
 
-def _check(result, notebook):
-    assert result.status == "ok", (f"{notebook.name} failed at cell {result.failing_cell}: {result.error}\n"
-                                   f"executed copy: {result.output}")
-    assert not result.leftovers, f"{notebook.name} left processes running: {result.leftovers}"
-
-
 @pytest.mark.notebook
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
 def test_notebook_runs_and_its_claims_hold(notebook, tmp_path):
-    _check(course.run_one(notebook, tmp_path, ci=True, stream=False), notebook)
+    check_result(course.run_one(notebook, tmp_path, ci=True, stream=False), notebook)
 
 
 @pytest.mark.notebook

@@ -27,7 +27,11 @@ def second_runs(stack: str) -> list[Path]:
 def check_second_run(notebook: Path, folder: Path) -> None:
     """Run ``notebook`` with its other parameters and its solutions into ``folder``; fail with where."""
     assert course.alt_parameters(notebook), f"{notebook.name} needs alt_parameters in its metadata"
-    result = course.run_one(notebook, folder, ci=True, alt=True, solutions=True, stream=False)
+    check_result(course.run_one(notebook, folder, ci=True, alt=True, solutions=True, stream=False), notebook)
+
+
+def check_result(result: course.Result, notebook: Path) -> None:
+    """A notebook run passed: it ran to the end (its claims held) and left no process behind."""
     assert result.status == "ok", (f"{notebook.name} failed at cell {result.failing_cell}: {result.error}\n"
                                    f"executed copy: {result.output}")
     assert not result.leftovers, f"{notebook.name} left processes running: {result.leftovers}"
