@@ -131,7 +131,8 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """A GPT-2-shaped language model, small. The output head shares the token embedding's weight.
+    """A GPT-2-shaped language model, small. The output head shares the token embedding's weight
+    (``tie_weights=False``: a weight of its own).
 
     ``forward(idx)`` returns logits ``(batch, time, vocab)``; ``forward(idx, targets)`` returns
     ``(logits, loss)``.
@@ -141,7 +142,7 @@ class TinyGPT(nn.Module):
     """
 
     def __init__(self, vocab_size: int = 64, block_size: int = 32, n_layer: int = 2, n_head: int = 4,
-                 n_embd: int = 64):
+                 n_embd: int = 64, tie_weights: bool = True):
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
@@ -149,7 +150,8 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight  # weight tying: one tensor, two uses
+        if tie_weights:
+            self.head.weight = self.tok_emb.weight  # weight tying: one tensor, two uses
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):

@@ -57,7 +57,7 @@ def _dcp(fn: Any, state: dict[str, Any], path: Path) -> Any:
 
     with warnings.catch_warnings():
         if not _distributed():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
+            warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
         return fn(state, checkpoint_id=str(path))
 
 
