@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtlab import models
+from dtlab import fsdp2, models
 from dtlab.launch import WorkerError, run
 from dtlab.measure import FLOAT32_EPS
 
@@ -300,3 +300,43 @@ def test_wrapping_before_init_process_group_names_the_fix():
 
     with pytest.raises(RuntimeError, match="after dist.init_process_group"):
         ScratchFSDP(Mixed())
+
+
+def train_fsdp2(kind):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dtlab.fsdp2 import full_state
+
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(kind)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model.emb, model.fc1, model.fc2, model.head):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    o = optimizer("sgd", model.parameters())
+    xs, ys = batches(kind, world)
+    rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    states = []
+    for step in range(STEPS):
+        o.zero_grad()
+        loss_of(model, kind, xs[step][rows], ys[step][rows]).backward()
+        o.step()
+        states.append(full_state(model))
+    dist.destroy_process_group()
+    return states
+
+
+@pytest.mark.skipif(not fsdp2.AVAILABLE, reason=f"fully_shard needs torch >= {fsdp2.NEEDS_TORCH}")
+def test_fsdp2_on_gloo_averages_bit_for_bit_like_one_process():
+    """pytorch/pytorch#162338: FSDP2 on gloo once summed the ranks' gradients instead of averaging them.
+    Against the same bitwise reference as the scratch FSDP, such a bug doubles every step."""
+    ref, _ = reference("mixed", 2)
+    for rank_states in run(train_fsdp2, "mixed", nprocs=2):
+        for step in range(STEPS):
+            for name, value in ref[step].items():
+                assert torch.equal(rank_states[step][name], value), f"step {step + 1}: {name} differs"
