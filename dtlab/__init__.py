@@ -7,13 +7,15 @@ One module per concept; import the one you need:
     dtlab.models       MLP, SmallResNet, TinyGPT, count_parameters
     dtlab.data         deterministic synthetic data, scikit-learn digits, DistributedLoader
     dtlab.checkpoint   atomic save, safe load, exact training state, periodic Checkpointer
+    dtlab.sharded_checkpoint  DCP checkpoints: one file per rank, any world size loads them; atomic, checked
     dtlab.resumable    the training loop that resumes exactly after being killed (notebook 10)
     dtlab.faults       faults on purpose: kill a checkpoint writer, a stuck or dead peer
     dtlab.tracking     MLflow from rank 0: local SQLite store, Databricks, local server
     dtlab.measure      StepTimer, throughput, profiler breakdown by training phase
     dtlab.live         LiveView: progress + loss curve in Jupyter, plain lines headless
     dtlab.launch       run a function (even one defined in a notebook) on N processes
-    dtlab.parallel     from-scratch strategies: data_parallel (DDP), zero (ZeRO-1), one file each
+    dtlab.parallel     from-scratch strategies: data_parallel (DDP), zero (ZeRO-1), fsdp (FSDP), one file each
+    dtlab.fsdp2        PyTorch's fully_shard: which torch has it, what a rank holds
     dtlab.bandwidth    collective timing, algbw/busbw, memory-copy ceiling
     dtlab.spark        the Databricks Spark session, or a quiet local one
     dtlab.hardware     GPUs, instance types and clusters: memory, FLOP/s, links (one home for these facts)
@@ -37,7 +39,7 @@ __version__ = "0.1.0"
 #: The modules ``dtlab.<name>`` loads on first use (PEP 562).
 MODULES = ("environment", "distributed", "models", "data", "checkpoint", "resumable", "faults", "tracking",
            "measure", "live", "launch", "parallel", "bandwidth", "spark", "memory", "ds_config", "precision",
-           "speedup", "clusters", "notebook", "course", "hardware", "jobs", "cli")
+           "speedup", "clusters", "notebook", "course", "hardware", "jobs", "cli", "fsdp2", "sharded_checkpoint")
 
 
 def __getattr__(name: str):
