@@ -34,6 +34,7 @@ into one collective), gradient accumulation without synchronising (``no_sync``),
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,7 @@ class _Call:
     pending: list[tuple[torch.Tensor, Any]] | None = None  # a started re-gather: (buffer, handle)
     regathered: bool = False
     gradients_left: int = 0  # full weights of this call whose gradient has not arrived yet
+    compute_start: float = 0.0  # for the timeline: when its forward (then its backward) began
 
 
 class _Unshard(torch.autograd.Function):
@@ -103,6 +105,9 @@ class ScratchFSDP(nn.Module):
         compute_dtype: gather weights and run the layers in this floating type (e.g.
             ``torch.bfloat16``); ``None`` computes in fp32. Shards and gradients stay fp32.
         process_group: the ranks to shard over (default: the whole world).
+        record_timeline: append to ``timeline`` one event per all-gather, forward, backward and
+            reduce-scatter of each layer (``{"what", "layer", "start", "end"}``, seconds since wrapping;
+            a collective runs from when it was started to when it was waited for). Notebook 12 plots it.
 
     Rank 0's weights are broadcast first, so every rank shards the same model. Build the optimizer
     over ``model.parameters()`` after wrapping: it then holds state for the slices only.
@@ -118,7 +123,8 @@ class ScratchFSDP(nn.Module):
             there are ranks.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, process_group: Any = None):
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, process_group: Any = None,
+                 record_timeline: bool = False):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("wrap the model after dist.init_process_group(...): ScratchFSDP needs the "
@@ -135,6 +141,8 @@ class ScratchFSDP(nn.Module):
         self.collectives = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
         self.elements_moved = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
         self.gathered_bytes = self.peak_gathered_bytes = 0
+        self.record_timeline, self.timeline, self._t0 = record_timeline, [], time.perf_counter()
+        self._names = {m: name or "model" for name, m in module.named_modules()}
 
         weights = {id(p): (n, p) for n, p in module.named_parameters() if p.dim() == 2}
         if not weights:
@@ -171,7 +179,7 @@ class ScratchFSDP(nn.Module):
         self._order: list[nn.Module] = []  # layers in the order the first forward ran them
         self._calls: list[_Call] = []      # this forward's layer calls
         self._prefetched: dict[nn.Module, list[tuple[torch.Tensor, Any]]] = {}
-        self._pending_grads: list[tuple[torch.Tensor, Any, torch.Tensor | None, nn.Parameter]] = []
+        self._pending_grads: list[tuple[torch.Tensor, Any, torch.Tensor | None, nn.Parameter, float]] = []
 
     # ---- the public API -------------------------------------------------------------------
 
@@ -198,11 +206,13 @@ class ScratchFSDP(nn.Module):
             if shard.grad_sum is not None:
                 self._start_reduce_scatter(shard)
         replicated_ids = {id(p) for p in self._replicated}
-        for buffer, handle, previous, param in self._pending_grads:
+        for buffer, handle, previous, param, issued in self._pending_grads:
             handle.wait()
             buffer.div_(self.world_size)
             if id(param) in replicated_ids:
+                self._log("all-reduce", param, issued)
                 continue  # reduced in place in .grad
+            self._log("reduce-scatter", param, issued)
             param.grad = buffer if previous is None else previous.add_(buffer)
         self._pending_grads = []
         for shard in self._shards.values():
@@ -253,13 +263,13 @@ class ScratchFSDP(nn.Module):
         own = [p for p in m._parameters.values() if p is not None]
         return any(id(p) in self._shards for p in own) or (self.compute_dtype is not None and bool(own))
 
-    def _start_gather(self, shards: list[_Shard]) -> list[tuple[torch.Tensor, Any]]:
+    def _start_gather(self, shards: list[_Shard]) -> list[tuple[torch.Tensor, Any, float]]:
         dtype = self.compute_dtype or torch.float32
-        started = []
+        started, issued = [], time.perf_counter()
         for shard in shards:
             local = shard.param.detach().to(dtype)
             buffer = torch.empty(local.numel() * self.world_size, dtype=dtype, device=local.device)
-            started.append((buffer, _all_gather(buffer, local, group=self.group, async_op=True)))
+            started.append((buffer, _all_gather(buffer, local, group=self.group, async_op=True), issued))
             self.collectives["all_gather"] += 1
             self.elements_moved["all_gather"] += buffer.numel()
         return started
@@ -284,7 +294,7 @@ class ScratchFSDP(nn.Module):
                 self._prefetched[upcoming] = self._start_gather(self._layer_shards(upcoming)[1])
         call = _Call(m, names, shards, previous=self._calls[-1] if self._calls else None)
         grad_on = torch.is_grad_enabled()
-        for name, shard, (buffer, handle) in zip(names, shards, started):
+        for name, shard, (buffer, handle, _issued) in zip(names, shards, started):
             handle.wait()
             full = buffer[:shard.numel].view(shard.shape).clone()  # its own allocation, freed after use
             self._count_gathered(full.untyped_storage().nbytes())
@@ -299,6 +309,9 @@ class ScratchFSDP(nn.Module):
                 if p is not None and id(p) not in self._shards:
                     vars(m)[name] = p.to(self.compute_dtype)  # differentiable: the fp32 grad flows back
             args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
+        if started:
+            self._log("all-gather", m, started[0][2])
+        call.compute_start = time.perf_counter()
         self._calls.append(call)
         return args, kwargs
 
@@ -308,6 +321,7 @@ class ScratchFSDP(nn.Module):
             vars(m).pop(name, None)  # the shard (or the fp32 parameter) is visible again
         if call is None:
             return
+        self._log("forward", m, call.compute_start)
         for full in call.fulls:
             self._free(full)
         outputs = [t for t in _tensors(output) if t.requires_grad]
@@ -317,7 +331,7 @@ class ScratchFSDP(nn.Module):
 
     def _drop_prefetched(self) -> None:
         for started in self._prefetched.values():  # gathered for a layer that did not run
-            for _buffer, handle in started:
+            for _buffer, handle, _issued in started:
                 handle.wait()
         self._prefetched = {}
 
@@ -333,12 +347,15 @@ class ScratchFSDP(nn.Module):
 
     def _regather(self, call: _Call) -> None:
         started = call.pending or self._start_gather(call.shards)
-        for full, (buffer, handle) in zip(call.fulls, started):
+        for full, (buffer, handle, _issued) in zip(call.fulls, started):
             handle.wait()
             full.untyped_storage().resize_(full.numel() * full.element_size())
             self._count_gathered(full.untyped_storage().nbytes())
             full.data.copy_(buffer[:full.numel()].view(full.shape))  # .data: autograd's saved copy sees it
         call.pending, call.regathered = None, True
+        if started:
+            self._log("all-gather", call.module, started[0][2])
+        call.compute_start = time.perf_counter()
 
     def _gradient_arrived(self, shard: _Shard, call: _Call, grad_full: torch.Tensor) -> None:
         """One use of a weight has its gradient. When all uses have, reduce-scatter their sum; when a
@@ -350,6 +367,7 @@ class ScratchFSDP(nn.Module):
             self._start_reduce_scatter(shard)
         call.gradients_left -= 1
         if call.gradients_left == 0:
+            self._log("backward", call.module, call.compute_start)
             for full in call.fulls:
                 self._free(full)
 
@@ -361,9 +379,20 @@ class ScratchFSDP(nn.Module):
         handle = _reduce_scatter(out, flat, group=self.group, async_op=True)
         self.collectives["reduce_scatter"] += 1
         self.elements_moved["reduce_scatter"] += flat.numel()
-        self._pending_grads.append((out, handle, shard.param.grad, shard.param))
+        self._pending_grads.append((out, handle, shard.param.grad, shard.param, time.perf_counter()))
         shard.param.grad = None  # set again, to the reduced slice, when the collective finishes
         shard.grad_sum = None
+
+    def _log(self, what: str, where: nn.Module | nn.Parameter, start: float) -> None:
+        """Record one timeline event of a layer (or of the layer owning a parameter), ending now."""
+        if not self.record_timeline:
+            return
+        if isinstance(where, nn.Module):
+            layer = self._names[where]
+        else:
+            layer = next(n for n, q in self.module.named_parameters() if q is where).rsplit(".", 1)[0]
+        self.timeline.append({"what": what, "layer": layer, "start": start - self._t0,
+                              "end": time.perf_counter() - self._t0})
 
     def _count_gathered(self, nbytes: int) -> None:
         self.gathered_bytes += nbytes
@@ -378,7 +407,7 @@ class ScratchFSDP(nn.Module):
         handle = dist.all_reduce(p.grad, group=self.group, async_op=True)
         self.collectives["all_reduce"] += 1
         self.elements_moved["all_reduce"] += p.grad.numel()
-        self._pending_grads.append((p.grad, handle, None, p))
+        self._pending_grads.append((p.grad, handle, None, p, time.perf_counter()))
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
