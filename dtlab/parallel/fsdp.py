@@ -316,7 +316,7 @@ class ScratchFSDP(nn.Module):
         return args, kwargs
 
     def _after_layer(self, m: nn.Module, args: tuple, output: Any) -> None:
-        call = self._calls[-1] if self._calls and self._calls[-1].module is m else None
+        call = next((c for c in reversed(self._calls) if c.module is m), None)  # (a layer may hold layers)
         for name in list(m._parameters):
             vars(m).pop(name, None)  # the shard (or the fp32 parameter) is visible again
         if call is None:
