@@ -34,6 +34,11 @@ from dtlab.environment import plan
 
 T = TypeVar("T")
 
+#: ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` under the names torch 2.13 gives them (the old
+#: names warn there); torch 2.3, on Databricks Runtime 15.4 LTS ML, has only the old ones.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 #: How long a collective may wait for its peers before raising instead of hanging forever.
 #: Override with the environment variable ``DTLAB_TIMEOUT_S``. (PyTorch's own default is
 #: 10 minutes for nccl and 30 minutes for gloo: far too long to notice a dead peer in a lesson.)

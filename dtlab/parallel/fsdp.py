@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# torch 2.13 renamed the two collectives FSDP is made of (the old names warn); 2.3 has only the old.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# the two collectives FSDP is made of, under torch 2.13's names where they exist
+from dtlab.distributed import all_gather_single as _all_gather
+from dtlab.distributed import reduce_scatter_single as _reduce_scatter
 
 
 @dataclass(eq=False)
