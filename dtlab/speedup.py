@@ -110,7 +110,11 @@ def measure_step(cfg: dict) -> dict:
     barrier each time, three things in the same processes: a DDP step; a step of an identical DDP
     model whose communication hook sends nothing (the compute plus DDP's own bookkeeping — bucket
     copies, hooks — and what the processes cost each other on a shared machine); and one all-reduce
-    of exactly the bytes DDP sends per step. Returns the medians (seconds) and the gradient bytes.
+    of exactly the bytes DDP sends per step. With ``accumulation`` k > 1 a fourth is interleaved: the
+    same k micro-batches with an all-reduce after each (DDP without ``no_sync``), so the saving of
+    ``no_sync`` is measured in the same processes, step beside step. Returns the medians (seconds),
+    the gradient bytes and, with k > 1, ``sync_each_ratios``: per step, the time with an all-reduce
+    per micro-batch over the time with ``no_sync``.
     """
     import contextlib
     import statistics
@@ -172,19 +176,27 @@ def measure_step(cfg: dict) -> dict:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)            # a step ends when the slowest rank ends
         return elapsed.item()
 
+    compare_sync = world > 1 and k > 1
     parts: dict[str, list[float]] = {"step_s": [], "alone_s": [], "allreduce_s": []}
+    ratios: list[float] = []
     for i in range(cfg["steps"] + 2):                             # 2 warm-up rounds
         step = timed(lambda: train_step(ddp or model, opt, ddp is not None))
         if world > 1:
             comp = timed(lambda: train_step(alone, alone_opt, True))
             comm = timed(lambda: dist.all_reduce(sent))
+        if compare_sync:
+            each = timed(lambda: train_step(ddp, opt, False))    # an all-reduce after every micro-batch
         if i >= 2:
             parts["step_s"].append(step)
             if world > 1:
                 parts["alone_s"].append(comp)
                 parts["allreduce_s"].append(comm)
+            if compare_sync:
+                ratios.append(each / step)
     dist.destroy_process_group()
     out = {name: statistics.median(v) if v else 0.0 for name, v in parts.items()}
+    if compare_sync:
+        out["sync_each_ratios"] = ratios
     return {**out, "grad_bytes": grad_bytes, "world": world}
 
 
@@ -206,6 +218,7 @@ def measure_speedup(cfg: dict, nprocs: int = 2, repeats: int = 1) -> dict:
     speed-up (``nprocs x`` one process's step time over the DDP step time; each process does the
     same work per step) tests it. ``repeats`` launches are interleaved; medians are returned, and
     ``spread`` (max - min over median) of the measured speed-up says how noisy the machine was.
+    With accumulation, ``sync_each_ratios`` pools every launch's per-step ratios (see ``measure_step``).
     """
     import statistics
 
@@ -222,8 +235,10 @@ def measure_speedup(cfg: dict, nprocs: int = 2, repeats: int = 1) -> dict:
         rounds.append({"one_step_s": one["step_s"], "n_step_s": many["step_s"], "alone_step_s": many["alone_s"],
                        "allreduce_s": many["allreduce_s"], "grad_bytes": many["grad_bytes"],
                        "measured": nprocs * one["step_s"] / many["step_s"],
-                       "predicted": nprocs * one["step_s"] / p.step_s})
-    med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+                       "predicted": nprocs * one["step_s"] / p.step_s,
+                       "sync_each_ratios": many.get("sync_each_ratios", [])})
+    med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != "sync_each_ratios"}
+    med["sync_each_ratios"] = [x for r in rounds for x in r["sync_each_ratios"]]
     measured = [r["measured"] for r in rounds]
     med["spread"] = (max(measured) - min(measured)) / med["measured"]
     med["error"] = med["predicted"] / med["measured"] - 1

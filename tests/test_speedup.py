@@ -60,3 +60,14 @@ def test_accumulation_pays_one_all_reduce_per_k_micro_batches(k):
     p = speedup.predict(0.010, 20e-3 * 1e9, 2, 1e9, accumulation=k)   # 2(N-1)/N = 1 -> 20 ms
     assert p.compute_s == pytest.approx(0.010 * k) and p.comm_s == pytest.approx(0.020)
     assert p.speedup == pytest.approx(2 * 0.010 * k / (0.010 * k + 0.020))
+
+
+def test_measured_accumulation_times_no_sync_beside_an_all_reduce_per_micro_batch():
+    """Real launches: with k > 1 every timed step gets a paired step that all-reduces after each micro-batch;
+    with k = 1 there is nothing to pair. (How large the ratio is, is the notebook's measurement, not a test.)"""
+    cfg = dict(hidden=32, depth=1, batch=8, steps=3, device="cpu", backend="gloo")
+    accumulated = speedup.measure_speedup({**cfg, "accumulation": 4}, nprocs=2, repeats=2)
+    assert len(accumulated["sync_each_ratios"]) == 2 * 3
+    assert all(r > 0 for r in accumulated["sync_each_ratios"])
+    assert len(accumulated["rounds"]) == 2 and accumulated["measured"] > 0
+    assert speedup.measure_speedup({**cfg, "accumulation": 1}, nprocs=2)["sync_each_ratios"] == []
