@@ -97,22 +97,29 @@ class SmallResNet(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where position t sees only positions <= t."""
+    """Multi-head self-attention where position t sees only positions <= t.
+
+    Queries, keys and values have a projection each (``q``, ``k``, ``v``) and the heads are read
+    off the tensor's shape, so a tensor-parallel rank holding only some heads' rows of ``q/k/v``
+    (and the matching columns of ``proj``) runs this same code on its heads (notebook 13).
+    """
 
     def __init__(self, n_embd: int, n_head: int):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
         self.n_head = n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.head_dim = n_embd // n_head
+        self.q = nn.Linear(n_embd, n_embd)
+        self.k = nn.Linear(n_embd, n_embd)
+        self.v = nn.Linear(n_embd, n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):

@@ -7,6 +7,8 @@ and the tests can compare it with a single process:
     dtlab.parallel.data_parallel  DDP: per-tensor and bucketed gradient all-reduce, no_sync
     dtlab.parallel.zero           ZeRO-1: optimizer state sharded over ranks; what a DeepSpeed rank holds
     dtlab.parallel.fsdp           FSDP (ZeRO-3): weights sharded, gathered per layer, gradients reduce-scattered
+    dtlab.parallel.tensor         tensor parallelism: column/row-parallel layers, heads and vocabulary split
+    dtlab.parallel.pipeline       pipeline parallelism: stages over ranks, GPipe and 1F1B schedules
 
 Import the one you need, e.g. ``from dtlab.parallel.data_parallel import DataParallel``.
 """
@@ -14,7 +16,7 @@ Import the one you need, e.g. ``from dtlab.parallel.data_parallel import DataPar
 import importlib
 
 #: The strategies, loaded on first use (``dtlab.parallel.zero`` works after ``import dtlab``).
-STRATEGIES = ("data_parallel", "zero", "fsdp")
+STRATEGIES = ("data_parallel", "zero", "fsdp", "tensor", "pipeline")
 
 
 def __getattr__(name: str):

@@ -1,0 +1,116 @@
+"""Pipeline parallelism from scratch (dtlab.parallel.pipeline) must compute what the unsplit model computes.
+
+Each rank builds the whole model from the same seed and keeps its stage; the reference is the
+same model in one process on the whole batch, with the mean loss. The pipeline's gradient is a sum
+over micro-batches of (micro-batch mean loss / M) gradients, the reference's one mean over the
+batch: the same number summed in another order, hence rtol 1e-5, not bitwise.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtlab.launch import WorkerError, run
+from dtlab.parallel import pipeline as pp
+
+BATCH, WIDTH, LAYERS = 8, 12, 4
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(LAYERS - 1):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, 5))
+
+
+def pipeline_worker(schedule: str, micro_batches: int, average: bool = True) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, 5, (BATCH,), generator=g)
+
+    reference = make_model()
+    ref_loss = F.cross_entropy(reference(x), y)
+    ref_loss.backward()
+    ref_stage = pp.split_model(reference, world)[rank]
+
+    stage = pp.PipelineStage(pp.split_model(make_model(), world)[rank], rank, world)
+    stage.check_shapes((BATCH // micro_batches, WIDTH))
+    result = stage.step(pp.SCHEDULES[schedule](micro_batches, world, rank),
+                        inputs=pp.split_micro_batches(x, micro_batches) if rank == 0 else None,
+                        targets=pp.split_micro_batches(y, micro_batches) if rank == world - 1 else None,
+                        loss_fn=F.cross_entropy, average=average)
+    pairs = list(zip(stage.module.parameters(), ref_stage.parameters()))
+    rel = max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() for p, q in pairs)
+    ratio = max((p.grad.norm() / q.grad.norm()).item() for p, q in pairs)
+    micro_ref = [F.cross_entropy(reference(xm), ym).item()
+                 for xm, ym in zip(pp.split_micro_batches(x, micro_batches), pp.split_micro_batches(y, micro_batches))]
+    dist.destroy_process_group()
+    return {"rank": rank, "grad_rel_diff": rel, "grad_norm_ratio": ratio, "losses": result.losses,
+            "micro_ref": micro_ref, "peak": result.peak_in_flight,
+            "actions": [(k, m) for k, m, _, _ in result.events]}
+
+
+@pytest.mark.parametrize("world, micro_batches", [(2, 4), (4, 8), (4, 2)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_equals_the_unsplit_model(schedule, world, micro_batches):
+    results = run(pipeline_worker, schedule, micro_batches, nprocs=world, timeout=120)
+    for r in results:
+        assert r["grad_rel_diff"] <= 1e-5, r
+        expected_peak = micro_batches if schedule == "gpipe" else min(world - r["rank"], micro_batches)
+        assert r["peak"] == expected_peak, r
+        assert r["actions"] == pp.SCHEDULES[schedule](micro_batches, world, r["rank"])
+    last = results[-1]
+    assert last["losses"] == pytest.approx(last["micro_ref"], rel=1e-6)
+
+
+def test_a_loss_not_averaged_over_micro_batches_gives_m_times_the_gradient():
+    for r in run(pipeline_worker, "1f1b", 4, False, nprocs=2, timeout=120):
+        assert r["grad_norm_ratio"] == pytest.approx(4.0, rel=1e-5)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 8])
+def test_schedules_run_every_micro_batch_forward_then_backward_once(stages, micro_batches):
+    for name, schedule in pp.SCHEDULES.items():
+        for s in range(stages):
+            actions = schedule(micro_batches, stages, s)
+            assert sorted(actions) == sorted([("F", m) for m in range(micro_batches)]
+                                             + [("B", m) for m in range(micro_batches)]), name
+            assert all(actions.index(("F", m)) < actions.index(("B", m)) for m in range(micro_batches)), name
+
+
+def test_bubble_formulas():
+    assert pp.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert pp.bubble_fraction(1, 5) == 0
+    assert pp.bubble_ratio(4, 8) == pytest.approx(3 / 8)
+    assert pp.bubble_ratio(4, 8, chunks=2) == pytest.approx(3 / 16)
+
+
+def test_split_model_balances_layers_and_refuses_more_stages_than_layers():
+    pieces = pp.split_model(make_model(), 3)
+    assert [sum(isinstance(m, nn.Linear) for m in p) for p in pieces] == [2, 1, 1]
+    assert all(isinstance(p[0], nn.Linear) for p in pieces)          # no stage starts with an activation
+    with pytest.raises(ValueError, match="5 pipeline stages for a model of 4 layers.*Fix"):
+        pp.split_model(make_model(), 5)
+    with pytest.raises(ValueError, match="cannot be cut into 3 equal micro-batches.*Fix"):
+        pp.split_micro_batches(torch.zeros(8, 2), 3)
+
+
+def mismatched_stages() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    module = nn.Linear(4, 6) if rank == 0 else nn.Linear(5, 3)      # stage 0 sends 6 features, stage 1 wants 5
+    pp.PipelineStage(module, rank, 2).check_shapes((2, 4))
+
+
+def test_stages_that_disagree_on_shapes_all_raise_before_any_activation_moves():
+    with pytest.raises(WorkerError) as err:
+        run(mismatched_stages, nprocs=2, timeout=60)
+    assert "disagree on shapes" in str(err.value) and "stage 1" in str(err.value) and "Fix" in str(err.value)
