@@ -114,3 +114,16 @@ def test_stages_that_disagree_on_shapes_all_raise_before_any_activation_moves():
     with pytest.raises(WorkerError) as err:
         run(mismatched_stages, nprocs=2, timeout=60)
     assert "disagree on shapes" in str(err.value) and "stage 1" in str(err.value) and "Fix" in str(err.value)
+
+
+def test_torch_pipelining_is_refused_with_the_version_where_it_would_hang(monkeypatch):
+    from dtlab import pipelining
+
+    monkeypatch.setattr(pipelining.torch, "__version__", "2.7.1+cpu")
+    assert "2.8" in pipelining.problem("gloo") and "Fix" in pipelining.problem("gloo")
+    assert pipelining.problem("nccl") == "" or not pipelining.AVAILABLE
+    monkeypatch.setattr(pipelining.torch, "__version__", "2.8.0")
+    assert pipelining.problem("gloo") == "" or not pipelining.AVAILABLE
+    monkeypatch.setattr(pipelining, "AVAILABLE", False)
+    with pytest.raises(RuntimeError, match="needs torch >= 2.4"):
+        pipelining.require("nccl")

@@ -2,7 +2,8 @@
 
 Every rank builds the unsharded module from the same seed and keeps its slice; the reference is
 that unsharded module run in the same process on the same input. Outputs, input gradients, weight
-gradients (cut the way the rank holds them) and the weights after an SGD step are compared.
+gradients (cut the way the rank holds them) and the weights after an SGD step are compared
+(``compare_with_unsharded``); the bitwise checks and the collective counts are made here directly.
 Splitting a matrix product by output rows changes no sum, so the column-parallel output is
 compared bitwise; a row-parallel split adds N partial sums (a different order), hence 1e-6.
 """
@@ -16,32 +17,6 @@ from dtlab import models
 from dtlab.launch import WorkerError, run
 
 TOL = 1e-6
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def _compare(full: nn.Module, parallel: nn.Module, x: torch.Tensor, tp, loss_of) -> dict:
-    """Forward, backward and one SGD step on both; the largest differences."""
-    from dtlab.parallel.tensor import shard_like
-
-    xf, xp = x.clone().requires_grad_(x.is_floating_point()), x.clone().requires_grad_(x.is_floating_point())
-    out_full, out_par = full(xf), parallel(xp)
-    loss_of(out_full).backward()
-    loss_of(out_par).backward()
-    grads_full = {n: p.grad for n, p in full.named_parameters(remove_duplicate=False)}
-    grads_par = {n: p.grad for n, p in parallel.named_parameters(remove_duplicate=False)}
-    result = {"output": (out_full - out_par).abs().max().item(),
-              "weight_grad": _max_diff(shard_like(grads_full, parallel, tp), grads_par)}
-    if x.is_floating_point():
-        result["input_grad"] = (xf.grad - xp.grad).abs().max().item()
-    for module in (full, parallel):
-        torch.optim.SGD(module.parameters(), lr=0.5).step()
-    result["after_step"] = _max_diff(shard_like(full, parallel, tp),
-                                     {n: p.detach() for n, p in parallel.named_parameters(remove_duplicate=False)})
-    return result
 
 
 def tp_worker(n_embd: int, n_head: int) -> dict:
@@ -66,13 +41,13 @@ def tp_worker(n_embd: int, n_head: int) -> dict:
     block = models.Block(n_embd, n_head)
     tp.reset()
     mlp = tpmod.TensorParallelMLP(block.mlp, tp)
-    out["mlp"] = _compare(block.mlp, mlp, x, tp, lambda y: (y ** 2).mean())
+    out["mlp"] = tpmod.compare_with_unsharded(block.mlp, mlp, x, tp, lambda y: (y ** 2).mean())
     out["mlp_counts"] = dict(tp.counts)
     out["mlp_elements"] = dict(tp.elements)
 
     tp.reset()
     attn = tpmod.TensorParallelAttention(block.attn, tp)
-    out["attention"] = _compare(block.attn, attn, x, tp, lambda y: (y ** 2).mean())
+    out["attention"] = tpmod.compare_with_unsharded(block.attn, attn, x, tp, lambda y: (y ** 2).mean())
     out["attention_counts"] = dict(tp.counts)
 
     emb = nn.Embedding(8 * tp.size, n_embd)
@@ -85,8 +60,8 @@ def tp_worker(n_embd: int, n_head: int) -> dict:
                              tie_weights=tied)
         par = tpmod.parallelize_gpt(gpt, tp)
         targets = torch.randint(0, 8 * tp.size, (3, 5))
-        out[f"gpt_tied_{tied}"] = _compare(gpt, par, ids, tp,
-                                           lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+        out[f"gpt_tied_{tied}"] = tpmod.compare_with_unsharded(
+            gpt, par, ids, tp, lambda logits, t=targets: F.cross_entropy(logits.flatten(0, 1), t.flatten()))
     dist.destroy_process_group()
     return out
 

@@ -22,9 +22,10 @@ fraction (P-1)/(M+P-1) of the step (``bubble_fraction``) — more micro-batches,
                         loss_fn=F.cross_entropy)    # gradients now in stage.module's parameters
     result.losses, result.peak_in_flight, result.events   # last stage's losses, activations held, timeline
 
-Sends are posted without waiting and paired with the next receive (``batch_isend_irecv``), so
-two neighbours each sending to the other never wait on each other (NCCL runs a pair's
-point-to-point operations in order; gloo does not care).
+Sends are posted without waiting, as soon as their tensor is ready — except when the stage's next
+action receives from the same neighbour: then send and receive go out together
+(``batch_isend_irecv``), so two neighbours each sending to the other never wait on each other
+(NCCL runs a pair's point-to-point operations in order; gloo does not care).
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ def split_model(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
 def split_micro_batches(batch: torch.Tensor, micro_batches: int) -> list[torch.Tensor]:
     """``micro_batches`` equal slices of ``batch`` along dimension 0 (the batch must divide evenly)."""
     if micro_batches < 1 or batch.shape[0] % micro_batches:
-        raise ValueError(f"a batch of {batch.shape[0]} cannot be cut into {micro_batches} equal micro-batches. "
-                         f"Fix: a micro-batch count that divides the batch (e.g. "
-                         f"{max(d for d in range(1, batch.shape[0] + 1) if batch.shape[0] % d == 0 and d <= max(1, micro_batches))})")
+        size = batch.shape[0]
+        fits = max(d for d in range(1, size + 1) if size % d == 0 and d <= max(1, micro_batches))
+        raise ValueError(f"a batch of {size} cannot be cut into {micro_batches} equal micro-batches. "
+                         f"Fix: a micro-batch count that divides the batch (e.g. {fits})")
     return list(batch.chunk(micro_batches))
 
 
@@ -134,7 +136,8 @@ class PipelineStage:
                  device: torch.device | str = "cpu", work_s: float = 0.0):
         if dist.get_world_size(group) != stages or dist.get_rank(group) != stage:
             raise ValueError(f"stage {stage} of {stages} on rank {dist.get_rank(group)} of a group of "
-                             f"{dist.get_world_size(group)}. Fix: one stage per rank, stage = rank, stages = group size")
+                             f"{dist.get_world_size(group)}. Fix: one stage per rank "
+                             "(stage = rank, stages = group size)")
         self.module, self.stage, self.stages, self.group = module, stage, stages, group
         self.device, self.work_s = torch.device(device), work_s
         self.first, self.last = stage == 0, stage == stages - 1
@@ -220,7 +223,15 @@ class PipelineStage:
                     works[-1].wait()
             return buffer
 
-        for kind, m in schedule:
+        def send(tensor: torch.Tensor, to: int, index: int) -> None:
+            """Post a send now; or, when this stage's next action first receives from the same peer, with
+            that receive (NCCL runs a pair's operations in order: a send waiting for a peer that is itself
+            sending to us would never start)."""
+            pending.append(dist.P2POp(dist.isend, tensor, self._peer(to), self.group))
+            if self._next_receive_from(schedule, index + 1) != to:
+                exchange(None, ())
+
+        for index, (kind, m) in enumerate(schedule):
             if kind == "F":
                 x = inputs[m].to(self.device) if self.first else exchange(self.stage - 1, self.in_shape)
                 if not self.first:
@@ -236,8 +247,7 @@ class PipelineStage:
                 held[m] = (x, out)
                 result.peak_in_flight = max(result.peak_in_flight, len(held))
                 if not self.last:
-                    pending.append(dist.P2POp(dist.isend, out.detach().contiguous(), self._peer(self.stage + 1),
-                                              self.group))
+                    send(out.detach().contiguous(), self.stage + 1, index)
             else:
                 grad = None if self.last else exchange(self.stage + 1, self.out_shape)
                 x, out = held.pop(m)
@@ -246,12 +256,20 @@ class PipelineStage:
                 self._work(2)
                 result.events.append(("B", m, start - t0, time.perf_counter() - t0))
                 if not self.first:
-                    pending.append(dist.P2POp(dist.isend, x.grad.contiguous(), self._peer(self.stage - 1), self.group))
+                    send(x.grad.contiguous(), self.stage - 1, index)
         exchange(None, ())
         for work, _op in sent:
             work.wait()
         result.seconds = time.perf_counter() - t0
         return result
+
+    def _next_receive_from(self, schedule: Sequence[Action], index: int) -> int | None:
+        """The stage the action at ``index`` receives from first (None: no action, or one that receives nothing)."""
+        if index >= len(schedule):
+            return None
+        if schedule[index][0] == "F":
+            return None if self.first else self.stage - 1
+        return None if self.last else self.stage + 1
 
     def _work(self, units: int) -> None:
         if self.work_s:
@@ -262,3 +280,22 @@ def _check_schedule(micro_batches: int, stages: int, stage: int) -> None:
     if micro_batches < 1 or stages < 1 or not 0 <= stage < stages:
         raise ValueError(f"micro_batches={micro_batches}, stages={stages}, stage={stage}: need M >= 1, P >= 1 and "
                          "0 <= stage < P")
+
+
+def idle_fraction(results: Sequence[StepResult]) -> float:
+    """The measured bubble: the mean over stages of 1 - busy / step time (the slowest stage's step time)."""
+    span = max(r.seconds for r in results)
+    return sum(1 - r.busy / span for r in results) / len(results)
+
+
+def plot_timeline(ax, results: Sequence[StepResult], title: str = "") -> None:
+    """A Gantt chart of one step: a row per stage, forward (light) and backward (dark) boxes labelled by micro-batch."""
+    for s, r in enumerate(results):
+        for kind, m, start, end in r.events:
+            ax.barh(s, end - start, left=start, color="tab:blue" if kind == "F" else "tab:orange",
+                    edgecolor="white", height=0.8)
+            ax.text((start + end) / 2, s, f"{m}", ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(results)), [f"stage {s}" for s in range(len(results))], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (blue: forward, orange: backward; white space: the bubble)", fontsize=7)
+    ax.set_title(title, fontsize=8)

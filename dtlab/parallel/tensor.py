@@ -229,8 +229,9 @@ class TensorParallelAttention(nn.Module):
     def __init__(self, attn: nn.Module, tp: TPGroup):
         super().__init__()
         if attn.n_head % tp.size:
+            fits = tp.size * max(1, attn.n_head // tp.size)
             raise ValueError(f"{attn.n_head} attention heads cannot be split over {tp.size} ranks. Fix: a head count "
-                             f"divisible by the tensor-parallel degree (e.g. {tp.size * max(1, attn.n_head // tp.size)})")
+                             f"divisible by the tensor-parallel degree (e.g. {fits})")
         self.tp, self.head_dim = tp, attn.head_dim
         self.q, self.k, self.v = (ColumnParallelLinear(lin, tp, copy_input=False) for lin in (attn.q, attn.k, attn.v))
         self.proj = RowParallelLinear(attn.proj, tp)
@@ -301,7 +302,7 @@ def shard_like(full: nn.Module | dict[str, torch.Tensor], parallel: nn.Module, t
         full = {n: p for n, p in full.named_parameters(remove_duplicate=False)}
     out = {}
     for name, module in parallel.named_modules():
-        for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
+        for pname, _ in module.named_parameters(recurse=False, remove_duplicate=False):
             key = f"{name}.{pname}" if name else pname
             source = full[_full_name(key)]
             if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
@@ -311,6 +312,34 @@ def shard_like(full: nn.Module | dict[str, torch.Tensor], parallel: nn.Module, t
             else:
                 out[key] = source.detach().clone()
     return out
+
+
+def compare_with_unsharded(full: nn.Module, parallel: nn.Module, x: torch.Tensor, tp: TPGroup,
+                           loss_of, lr: float = 0.5) -> dict[str, float]:
+    """Run both modules on ``x`` (forward, ``loss_of(output).backward()``, one SGD step); the largest differences.
+
+    ``parallel`` must have been built from ``full`` (so they start equal). Returns the max absolute
+    difference of the outputs, of the input gradients (floating-point inputs), of the weight
+    gradients and of the weights after the step (``full``'s cut by ``shard_like``).
+    """
+    def biggest(a: dict, b: dict) -> float:
+        return max((a[k] - b[k]).abs().max().item() for k in b)
+
+    xf, xp = (x.clone().requires_grad_(x.is_floating_point()) for _ in range(2))
+    out_full, out_par = full(xf), parallel(xp)
+    loss_of(out_full).backward()
+    loss_of(out_par).backward()
+    grads_par = {n: p.grad for n, p in parallel.named_parameters(remove_duplicate=False)}
+    grads_full = {n: p.grad for n, p in full.named_parameters(remove_duplicate=False)}
+    result = {"output": (out_full - out_par).abs().max().item(),
+              "weight_grad": biggest(shard_like(grads_full, parallel, tp), grads_par)}
+    if x.is_floating_point():
+        result["input_grad"] = (xf.grad - xp.grad).abs().max().item()
+    for module in (full, parallel):
+        torch.optim.SGD(module.parameters(), lr=lr).step()
+    result["after_step"] = biggest(shard_like(full, parallel, tp),
+                                   {n: p.detach() for n, p in parallel.named_parameters(remove_duplicate=False)})
+    return result
 
 
 def _full_name(name: str) -> str:
