@@ -5,9 +5,9 @@ Every notebook runs with its CI parameters on both stacks (``make test`` on the 
 ``alt_parameters`` (3 processes where it takes ``nprocs``, other batch sizes and epochs) and its
 collapsed solution cells, happens once: on Databricks Runtime 15.4 LTS ML's stack for the lessons
 built on the libraries that differ most between the stacks and that most learners run there
-(Spark's TorchDistributor, Horovod, DeepSpeed, MLflow, the fault tools), on the newest stack for
-the lessons on PyTorch alone (where a newer torch's changes show first). Split this way both suites
-stay within their time budgets.
+(Spark's TorchDistributor, Horovod, DeepSpeed, MLflow, the fault tools, and the cluster lesson a
+learner runs on Databricks), on the newest stack for the lessons on PyTorch alone (where a newer
+torch's changes show first). Split this way both suites stay within their time budgets.
 """
 
 from pathlib import Path
@@ -15,7 +15,7 @@ from pathlib import Path
 from dtlab import course
 
 NOTEBOOKS = course.find_notebooks(Path(__file__).resolve().parent.parent / "notebooks")
-ON_RUNTIME_STACK = ("04", "05", "06", "09", "10")
+ON_RUNTIME_STACK = ("04", "05", "06", "09", "10", "11")
 
 
 def second_runs(stack: str) -> list[Path]:

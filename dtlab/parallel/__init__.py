@@ -9,6 +9,8 @@ and the tests can compare it with a single process:
     dtlab.parallel.fsdp           FSDP (ZeRO-3): weights sharded, gathered per layer, gradients reduce-scattered
     dtlab.parallel.tensor         tensor parallelism: column/row-parallel layers, heads and vocabulary split
     dtlab.parallel.pipeline       pipeline parallelism: stages over ranks, GPipe and 1F1B schedules
+    dtlab.parallel.context        context parallelism: ring attention over a sequence split across ranks
+    dtlab.parallel.expert         expert parallelism: a mixture-of-experts layer, experts spread over ranks
 
 Import the one you need, e.g. ``from dtlab.parallel.data_parallel import DataParallel``.
 """
@@ -16,7 +18,7 @@ Import the one you need, e.g. ``from dtlab.parallel.data_parallel import DataPar
 import importlib
 
 #: The strategies, loaded on first use (``dtlab.parallel.zero`` works after ``import dtlab``).
-STRATEGIES = ("data_parallel", "zero", "fsdp", "tensor", "pipeline")
+STRATEGIES = ("data_parallel", "zero", "fsdp", "tensor", "pipeline", "context", "expert")
 
 
 def __getattr__(name: str):

@@ -1,0 +1,78 @@
+"""Ring attention from scratch (dtlab.parallel.context) must equal attention over the whole sequence.
+
+Every rank builds the same q, k, v and output weights for the whole sequence; the reference is
+``scaled_dot_product_attention`` on all of it in the same process, and the loss a fixed weighted
+sum of the output. Each rank keeps its part of the sequence (contiguous or zig-zag), runs the ring,
+and compares its output part and the gradients of its q, k and v parts (fp32, within 1e-5).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtlab.launch import run
+from dtlab.parallel import context as cpmod
+
+B, H, T, D = 2, 2, 16, 8
+
+
+def ring_worker() -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    cp = cpmod.ContextGroup()
+    g = torch.Generator().manual_seed(0)
+    q, k, v, w = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
+    out = {"rank": cp.rank}
+    for causal in (True, False):
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        reference = F.scaled_dot_product_attention(*full, is_causal=causal)
+        (reference * w).sum().backward()
+        for layout in cpmod.LAYOUTS:
+            part = lambda t, lay=layout: cpmod.split_sequence(t, cp, dim=2, layout=lay)  # noqa: E731
+            mine = [part(t.detach()).requires_grad_() for t in full]
+            cp.counts.clear()
+            result = cpmod.ring_attention(*mine, cp, causal=causal, layout=layout)
+            (result * part(w)).sum().backward()
+            diffs = [(result - part(reference.detach())).abs().max().item()]
+            diffs += [(m.grad - part(f.grad)).abs().max().item() for m, f in zip(mine, full)]
+            whole_again = cpmod.gather_sequence(result.detach(), cp, dim=2, layout=layout)
+            out[(causal, layout)] = {"max_diff": max(diffs), "ring_steps": cp.counts["ring_steps"],
+                                     "work": cp.counts["work"],
+                                     "gathered": (whole_again - reference.detach()).abs().max().item()}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["N=2", "N=4"])
+def ranks(request):
+    return request.param, run(ring_worker, nprocs=request.param, timeout=180)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", cpmod.LAYOUTS)
+def test_ring_attention_equals_whole_sequence_attention(ranks, causal, layout):
+    n, results = ranks
+    for r in results:
+        assert r[(causal, layout)]["max_diff"] <= 1e-5, r[(causal, layout)]
+        assert r[(causal, layout)]["gathered"] <= 1e-5
+        assert r[(causal, layout)]["ring_steps"] == n - 1
+
+
+def test_causal_work_is_unbalanced_contiguous_and_even_zigzag(ranks):
+    n, results = ranks
+    contiguous = [r[(True, "contiguous")]["work"] for r in results]
+    zigzag = [r[(True, "zigzag")]["work"] for r in results]
+    c = T // n
+    assert contiguous == [B * H * (r * c * c + c * (c + 1) // 2) for r in range(n)]   # rank r: r blocks + the diagonal
+    assert len(set(zigzag)) == 1 and sum(zigzag) == sum(contiguous) == B * H * T * (T + 1) // 2
+    full = [r[(False, "contiguous")]["work"] for r in results]
+    assert full == [B * H * c * T] * n
+
+
+def test_a_length_that_does_not_split_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="16 tokens cannot be cut into 6 equal parts.*Fix"):
+        cpmod.positions(16, 3, 0, "zigzag")
+    with pytest.raises(ValueError, match="layout='ring'"):
+        cpmod.positions(16, 2, 0, "ring")
+    assert cpmod.positions(16, 2, 1, "zigzag").tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
