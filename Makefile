@@ -15,7 +15,8 @@ RUNTIME_UNIT_TESTS ?= tests/test_checkpoint.py tests/test_tracking.py tests/test
 	tests/test_distributed.py tests/test_notebook_widgets.py tests/test_clusters.py tests/test_environment.py \
 	tests/test_data.py tests/test_ds_config.py tests/test_memory.py tests/test_package.py tests/test_course.py \
 	tests/test_compat.py tests/test_fsdp.py tests/test_sharded_checkpoint.py tests/test_benchmarks.py \
-	tests/test_tensor_parallel.py tests/test_pipeline.py tests/test_context_parallel.py tests/test_expert_parallel.py
+	tests/test_tensor_parallel.py tests/test_pipeline.py tests/test_context_parallel.py tests/test_expert_parallel.py \
+	tests/test_composition.py
 
 .PHONY: setup setup-runtime course test test-runtime lint clean
 setup:

@@ -14,8 +14,12 @@ One module per concept; import the one you need:
     dtlab.measure      StepTimer, throughput, profiler breakdown by training phase
     dtlab.live         LiveView: progress + loss curve in Jupyter, plain lines headless
     dtlab.launch       run a function (even one defined in a notebook) on N processes
-    dtlab.parallel     from-scratch strategies: data_parallel (DDP), zero (ZeRO-1), fsdp (FSDP), one file each
+    dtlab.parallel     from-scratch strategies, one file each: data_parallel (DDP), zero (ZeRO-1), fsdp (FSDP),
+                       tensor, pipeline, context (ring attention), expert (mixture of experts)
     dtlab.fsdp2        PyTorch's fully_shard: which torch has it, what a rank holds
+    dtlab.dtensor      PyTorch's DTensor names on torch 2.3 and newer; collectives counted, activations saved
+    dtlab.pipelining   which torch runs torch.distributed.pipelining, on which backend
+    dtlab.composition  DP x TP x PP x CP layouts on paper (memory, step time); a checked, named device mesh
     dtlab.bandwidth    collective timing, algbw/busbw, memory-copy ceiling
     dtlab.spark        the Databricks Spark session, or a quiet local one
     dtlab.hardware     GPUs, instance types and clusters: memory, FLOP/s, links (one home for these facts)
@@ -39,7 +43,8 @@ __version__ = "0.1.0"
 #: The modules ``dtlab.<name>`` loads on first use (PEP 562).
 MODULES = ("environment", "distributed", "models", "data", "checkpoint", "resumable", "faults", "tracking",
            "measure", "live", "launch", "parallel", "bandwidth", "spark", "memory", "ds_config", "precision",
-           "speedup", "clusters", "notebook", "course", "hardware", "jobs", "cli", "fsdp2", "sharded_checkpoint")
+           "speedup", "clusters", "notebook", "course", "hardware", "jobs", "cli", "fsdp2", "sharded_checkpoint",
+           "dtensor", "pipelining", "composition")
 
 
 def __getattr__(name: str):
