@@ -21,7 +21,9 @@ import functools
 import os
 import random
 import socket
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -218,3 +220,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+@dataclass
+class GroupTally:
+    """A process group (``None``: the default, whole-world one) and a tally of what was sent over it.
+
+    The from-scratch strategies in ``dtlab.parallel`` each extend it with their own collectives and
+    count them in ``counts``, so a lesson can show what a step communicated.
+    """
+
+    group: dist.ProcessGroup | None = None
+    counts: Counter = field(default_factory=Counter)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within the group."""
+        return dist.get_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        """The number of ranks in the group."""
+        return dist.get_world_size(self.group)
+
+    def global_rank(self, group_rank: int) -> int:
+        """The world rank of the group's rank ``group_rank`` (what point-to-point calls take)."""
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank

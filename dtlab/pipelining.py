@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from dtlab._compat import _version
+
 #: The torch version from which the pipeline schedules run on gloo without hanging.
 NEEDS_TORCH_GLOO = (2, 8)
 
@@ -24,11 +26,6 @@ try:
     AVAILABLE = True
 except ImportError:
     AVAILABLE = False
-
-
-def _version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
 
 
 def problem(backend: str) -> str:

@@ -1,7 +1,8 @@
 """Parallelism built from scratch: one file per strategy, each readable in one sitting.
 
 Each module is the naive-but-correct version of what a library does for you, with its own small
-communication helpers and no global state, so a learner can read it beside the library's API
+communication helpers (on ``dtlab.distributed.GroupTally``: a process group and a tally of what
+was sent) and no global state, so a learner can read it beside the library's API
 and the tests can compare it with a single process:
 
     dtlab.parallel.data_parallel  DDP: per-tensor and bucketed gradient all-reduce, no_sync

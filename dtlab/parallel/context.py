@@ -34,37 +34,24 @@ tokens), as data parallelism does.
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
+
+from dtlab.distributed import GroupTally
 
 LAYOUTS = ("contiguous", "zigzag")
 
 
-@dataclass
-class ContextGroup:
+class ContextGroup(GroupTally):
     """The ranks one sequence is split over, and a tally: ``counts["ring_steps"]`` (forward passes of a
     block to the next rank), ``counts["work"]`` (query-key scores this rank computed that the mask kept)."""
-
-    group: dist.ProcessGroup | None = None
-    counts: Counter = field(default_factory=Counter)
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
-
-    @property
-    def size(self) -> int:
-        return dist.get_world_size(self.group)
 
     def shift(self, x: torch.Tensor, step: int = 1) -> torch.Tensor:
         """Send ``x`` to rank + step and return what rank - step sent (a ring, wrapping around)."""
         received = torch.empty_like(x)
-        peer = lambda r: dist.get_global_rank(self.group, r) if self.group is not None else r  # noqa: E731
-        ops = [dist.P2POp(dist.isend, x.contiguous(), peer((self.rank + step) % self.size), self.group),
-               dist.P2POp(dist.irecv, received, peer((self.rank - step) % self.size), self.group)]
+        to, source = self.global_rank((self.rank + step) % self.size), self.global_rank((self.rank - step) % self.size)
+        ops = [dist.P2POp(dist.isend, x.contiguous(), to, self.group),
+               dist.P2POp(dist.irecv, received, source, self.group)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         return received

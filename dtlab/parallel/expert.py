@@ -28,30 +28,18 @@ from __future__ import annotations
 
 import copy
 import math
-from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtlab.distributed import GroupTally
 
-@dataclass
-class ExpertGroup:
+
+class ExpertGroup(GroupTally):
     """The ranks the experts are spread over, and a tally: ``counts["all_to_all"]`` calls and
     ``counts["elements_sent"]`` (token-vector elements sent to *other* ranks, dispatch and combine)."""
-
-    group: dist.ProcessGroup | None = None
-    counts: Counter = field(default_factory=Counter)
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
-
-    @property
-    def size(self) -> int:
-        return dist.get_world_size(self.group)
 
     def all_to_all(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """``x``'s rows cut by ``send_splits`` go to ranks 0..N-1; returns the rows received, by ``recv_splits``."""

@@ -48,9 +48,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dtlab.distributed import GroupTally
+
 
 @dataclass
-class TPGroup:
+class TPGroup(GroupTally):
     """The ranks one layer is split over, and a tally of what they sent.
 
     ``counts[(phase, op)]`` counts collectives ("forward"/"backward", "all_reduce"/"all_gather");
@@ -58,17 +60,7 @@ class TPGroup:
     2(N-1)/N factor). ``group=None`` is the default (whole-world) process group.
     """
 
-    group: dist.ProcessGroup | None = None
-    counts: Counter = field(default_factory=Counter)
     elements: Counter = field(default_factory=Counter)
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
-
-    @property
-    def size(self) -> int:
-        return dist.get_world_size(self.group)
 
     def reset(self) -> None:
         """Forget the tally (e.g. before the step you want to count)."""
