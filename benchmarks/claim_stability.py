@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dtlab import course
 
-TIMING_NOTEBOOKS = ["01", "02", "03", "04", "05", "08", "10"]
+TIMING_NOTEBOOKS = ["01", "02", "03", "04", "05", "08", "10", "14"]
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.util
 import os
 import sys
 import time
@@ -83,3 +84,59 @@ def _remove_own_deepspeed_shm() -> None:
 
 
 atexit.register(_remove_own_deepspeed_shm)
+
+
+# DeepSpeed's ZeRO-3 reduce-scatter pads each gradient to a multiple of the world size with
+# ``torch.empty`` (``deepspeed/runtime/comm/coalesced_collectives.py``, 0.14.4 and 0.19.8 alike):
+# whatever the allocator hands back is summed into the padded slots and lands in the last rank's
+# gradient partition. Whether a run trains depends on what that memory last held: on the runtime's
+# stack the same MLP's bf16 ZeRO-3 loss went to NaN, or its fp32 weights 510 away from DDP's, after
+# unrelated code changed the process's allocation history. Zero padding makes the result depend on
+# the gradients alone.
+_COALESCED = "deepspeed.runtime.comm.coalesced_collectives"
+
+
+class _TorchWithZeroedEmpty:
+    """``torch`` as that module sees it, except that ``empty`` returns zeros (only its padding uses it)."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        return torch.zeros(*args, **kwargs)
+
+
+def _zero_deepspeed_padding(module) -> None:
+    if isinstance(getattr(module, "torch", None), _TorchWithZeroedEmpty):
+        return
+    module.torch = _TorchWithZeroedEmpty()
+
+
+class _PatchOnImport:
+    """A meta-path finder that patches the coalesced collectives right after DeepSpeed imports them."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _COALESCED:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        original = spec.loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            _zero_deepspeed_padding(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _COALESCED in sys.modules:
+    _zero_deepspeed_padding(sys.modules[_COALESCED])
+elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _PatchOnImport())
