@@ -32,8 +32,9 @@ def test_destroying_a_gloo_group_right_after_collectives_does_not_deadlock():
 def test_deepspeed_pads_its_zero3_reduce_scatter_with_zeros_not_leftover_memory():
     """ZeRO-3's coalesced reduce-scatter pads gradients with ``torch.empty``; dtlab makes that padding zeros, so
     what the allocator last held cannot reach the gradients (it sent bf16 ZeRO-3 to NaN on the runtime stack)."""
-    import dtlab  # noqa: F401  (applies the work-arounds)
     from deepspeed.runtime.comm import coalesced_collectives
+
+    import dtlab  # noqa: F401  (applies the work-arounds)
     from dtlab import _compat
 
     assert isinstance(coalesced_collectives.torch, _compat._TorchWithZeroedEmpty)
