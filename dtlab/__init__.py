@@ -22,6 +22,7 @@ One module per concept; import the one you need:
     dtlab.composition  DP x TP x PP x CP layouts on paper (memory, step time); a checked, named device mesh
     dtlab.bandwidth    collective timing, algbw/busbw, memory-copy ceiling
     dtlab.spark        the Databricks Spark session, or a quiet local one
+    dtlab.raytrain     Ray for the lessons: a quiet local Ray, data as Parquet, requests checked, strays found
     dtlab.hardware     GPUs, instance types and clusters: memory, FLOP/s, links (one home for these facts)
     dtlab.memory       memory per GPU for DDP and ZeRO stages, activations; DeepSpeed's estimators; advice
     dtlab.ds_config    build and validate DeepSpeed configs
@@ -44,7 +45,7 @@ __version__ = "0.1.0"
 MODULES = ("environment", "distributed", "models", "data", "checkpoint", "resumable", "faults", "tracking",
            "measure", "live", "launch", "parallel", "bandwidth", "spark", "memory", "ds_config", "precision",
            "speedup", "clusters", "notebook", "course", "hardware", "jobs", "cli", "fsdp2", "sharded_checkpoint",
-           "dtensor", "pipelining", "composition")
+           "dtensor", "pipelining", "composition", "raytrain")
 
 
 def __getattr__(name: str):
