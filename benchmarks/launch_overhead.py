@@ -1,4 +1,5 @@
-"""How much does starting 2 workers cost? dtlab.launch.run against torchrun and the import floor.
+"""How much does starting 2 workers cost? dtlab.launch.run against torchrun, TorchDistributor, Ray Train
+and the import floor.
 
     .venv/bin/python benchmarks/launch_overhead.py [--repeats 3]
 
@@ -53,6 +54,48 @@ def dtlab_launch() -> dict[str, float]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+RAY = textwrap.dedent("""
+    import json, os, tempfile, time
+    t0 = time.perf_counter()
+    from dtlab import raytrain
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    raytrain.start(num_cpus=2)
+    t1 = time.perf_counter()
+    def fit():
+        TorchTrainer(lambda cfg: None, scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+                     run_config=RunConfig(storage_path=tempfile.mkdtemp())).fit()
+    fit()
+    t2 = time.perf_counter()
+    fit()
+    t3 = time.perf_counter()
+    raytrain.stop()
+    print(json.dumps({"start": t1 - t0, "first": t2 - t1, "again": t3 - t2}))
+""")
+
+SPARK = textwrap.dedent("""
+    import json, time
+    from dtlab import spark as dtspark
+    from pyspark.ml.torch.distributor import TorchDistributor
+    t0 = time.perf_counter()
+    spark = dtspark.session(cores=2)
+    t1 = time.perf_counter()
+    TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(abs, -1)
+    t2 = time.perf_counter()
+    TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(abs, -1)
+    t3 = time.perf_counter()
+    dtspark.stop(spark)
+    print(json.dumps({"start": t1 - t0, "first": t2 - t1, "again": t3 - t2}))
+""")
+
+
+def _timed(code: str) -> dict[str, float]:
+    import json
+
+    out = subprocess.run([PY, "-c", code], check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def torchrun(script: str) -> float:
     return wall([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script])
 
@@ -64,19 +107,29 @@ def main() -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write("import torch\n")
         script = f.name
-    rows: dict[str, list[float]] = {"floor": [], "first": [], "again": [], "torchrun": []}
+    rows: dict[str, list[float]] = {k: [] for k in ("floor", "first", "again", "torchrun", "spark_start", "spark_first",
+                                                    "spark_again", "ray_start", "ray_first", "ray_again")}
     for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
         rows["floor"].append(floor_two_imports())
         d = dtlab_launch()
         rows["first"].append(d["first"])
         rows["again"].append(d["again"])
         rows["torchrun"].append(torchrun(script))
+        for name, code in (("spark", SPARK), ("ray", RAY)):
+            for k, v in _timed(code).items():
+                rows[f"{name}_{k}"].append(v)
     med = {k: statistics.median(v) for k, v in rows.items()}
     floor = med["floor"]
     labels = {"floor": "2 x `python -c 'import torch'`, in parallel (floor)",
               "first": "dtlab.launch.run, 2 trivial workers, first launch",
               "again": "dtlab.launch.run, 2 trivial workers, next launches",
-              "torchrun": "torchrun --nproc_per_node 2, trivial script"}
+              "torchrun": "torchrun --nproc_per_node 2, trivial script",
+              "spark_start": "local Spark session start (once per notebook)",
+              "spark_first": "TorchDistributor(local_mode=True), 2 trivial processes, first run",
+              "spark_again": "TorchDistributor(local_mode=True), 2 trivial processes, next runs",
+              "ray_start": "local Ray start, `ray.init` (once per notebook)",
+              "ray_first": "Ray Train TorchTrainer, 2 trivial workers, first fit",
+              "ray_again": "Ray Train TorchTrainer, 2 trivial workers, next fits"}
     print(f"median of {args.repeats} runs, interleaved\n")
     print("| launcher | seconds | x floor |\n|---|---:|---:|")
     for k, label in labels.items():
