@@ -20,6 +20,7 @@ One module per concept; import the one you need:
     dtlab.dtensor      PyTorch's DTensor names on torch 2.3 and newer; collectives counted, activations saved
     dtlab.pipelining   which torch runs torch.distributed.pipelining, on which backend
     dtlab.composition  DP x TP x PP x CP layouts on paper (memory, step time); a checked, named device mesh
+    dtlab.advise       which strategy: every one priced for a model on a cluster, ranked (``dtlab advise``)
     dtlab.bandwidth    collective timing, algbw/busbw, memory-copy ceiling
     dtlab.spark        the Databricks Spark session, or a quiet local one
     dtlab.raytrain     Ray for the lessons: a quiet local Ray, data as Parquet, requests checked, strays found
@@ -45,7 +46,7 @@ __version__ = "0.1.0"
 MODULES = ("environment", "distributed", "models", "data", "checkpoint", "resumable", "faults", "tracking",
            "measure", "live", "launch", "parallel", "bandwidth", "spark", "memory", "ds_config", "precision",
            "speedup", "clusters", "notebook", "course", "hardware", "jobs", "cli", "fsdp2", "sharded_checkpoint",
-           "dtensor", "pipelining", "composition", "raytrain")
+           "dtensor", "pipelining", "composition", "raytrain", "advise")
 
 
 def __getattr__(name: str):

@@ -57,6 +57,81 @@ def _memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _advise(args: argparse.Namespace) -> int:
+    from dtlab import advise
+
+    try:
+        layout = None
+        if args.layout:
+            layout = {}
+            for part in args.layout.split(","):
+                key, _, value = part.partition("=")
+                if key.strip() not in ("dp", "tp", "pp", "cp") or not value.strip().isdigit():
+                    raise ValueError(f"--layout {args.layout!r}: write it as dp=4,tp=4,pp=1")
+                layout[key.strip()] = int(value)
+        result = advise.advise(args.params, n_layer=args.layers, n_embd=args.hidden, n_head=args.heads,
+                               vocab=args.vocab, cluster=args.cluster, gpus=args.gpus, gpu_mem_gb=args.gpu_mem_gb,
+                               gpus_per_node=args.gpus_per_node, tflops=args.tflops,
+                               intra_node_gbs=args.intra_node_gbs, inter_node_gbs=args.inter_node_gbs,
+                               host_memory_gb_per_gpu=args.host_mem_gb_per_gpu, micro_batch=args.micro_batch,
+                               seq_len=args.seq_len, global_batch=args.global_batch, precision=args.precision,
+                               optimizer=args.optimizer, recompute=args.recompute, mfu=args.mfu, layout=layout,
+                               layouts=not args.data_parallel_only)
+    except ValueError as exc:  # also dtlab.hardware.UnknownHardware
+        print(f"dtlab advise: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result.table())
+    return 0
+
+
+def _advise_parser(sub) -> argparse.ArgumentParser:
+    from dtlab import hardware, memory
+
+    adv = sub.add_parser(
+        "advise", help="which strategy for a model on a cluster: memory per GPU and step time of each, ranked",
+        description="Memory per GPU (parameters, gradients, optimizer state, activations) and step time (compute, "
+                    "communication, bubble, offload) of DDP, ZeRO 1-3, FSDP, offloading and TP x PP x DP layouts, "
+                    "and the fastest that fits. GB = 10^9 bytes. Exit 2 on bad input.")
+    adv.add_argument("--params", type=_number(float, 0, low_ok=False, example="7e9"), default=None,
+                     help="model parameters, e.g. 7e9 (or give --layers, --hidden, --heads)")
+    adv.add_argument("--layers", type=_number(int, 1, example="32"), default=None, help="the model's layers")
+    adv.add_argument("--hidden", type=_number(int, 1, example="4096"), default=None, help="the model's hidden size")
+    adv.add_argument("--heads", type=_number(int, 1, example="32"), default=None, help="attention heads")
+    adv.add_argument("--vocab", type=_number(int, 1, example="32000"), default=None,
+                     help="vocabulary size (adds the embedding to the parameters derived from the shape)")
+    adv.add_argument("--cluster", default=None,
+                     help=f"a cluster from dtlab.hardware: {', '.join(hardware.CLUSTERS)}, or '<node type> xN' with "
+                          f"a node type from {', '.join(hardware.NODE_TYPES)} (default: {hardware.DEFAULT_CLUSTER}, "
+                          "unless --gpus and --gpu-mem-gb describe one)")
+    adv.add_argument("--gpus", type=_number(int, 1, example="64"), default=None, help="GPUs of a cluster described "
+                     "by hand (with --gpu-mem-gb)")
+    adv.add_argument("--gpu-mem-gb", type=_number(float, 0, low_ok=False, example="32"), default=None,
+                     help="memory per GPU in GB (a cluster described by hand)")
+    adv.add_argument("--gpus-per-node", type=_number(int, 1, example="8"), default=None, help="default 8")
+    adv.add_argument("--tflops", type=_number(float, 0, example="125"), default=None,
+                     help="peak dense 16-bit TFLOP/s per GPU (without it no step time is computed)")
+    adv.add_argument("--intra-node-gbs", type=_number(float, 0, example="150"), default=None,
+                     help="GPU-to-GPU GB/s inside a node")
+    adv.add_argument("--inter-node-gbs", type=_number(float, 0, example="12.5"), default=None,
+                     help="GB/s between nodes")
+    adv.add_argument("--host-mem-gb-per-gpu", type=_number(float, 0, example="48"), default=None,
+                     help="CPU memory per GPU in GB, for offloading")
+    adv.add_argument("--micro-batch", type=_number(int, 1), default=1, help="sequences per GPU per micro-step")
+    adv.add_argument("--seq-len", type=_number(int, 1, example="2048"), default=2048, help="tokens per sequence")
+    adv.add_argument("--global-batch", type=_number(int, 1, example="512"), default=None,
+                     help="sequences per optimizer step (default: >= 512, a multiple of micro-batch x GPUs)")
+    adv.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    adv.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    adv.add_argument("--recompute", choices=memory.RECOMPUTE, default="selective",
+                     help="activation recomputation (default selective)")
+    adv.add_argument("--mfu", type=_number(float, 0, 1, low_ok=False, example="0.4"), default=0.4,
+                     help="fraction of peak FLOP/s training reaches (default 0.4)")
+    adv.add_argument("--layout", default=None, help="price one layout only, e.g. dp=4,tp=4,pp=1")
+    adv.add_argument("--data-parallel-only", action="store_true", help="leave out TP x PP x DP layouts")
+    adv.add_argument("--json", action="store_true", help="print everything as JSON (bytes, seconds)")
+    return adv
+
+
 def _course_list(args: argparse.Namespace) -> int:
     from dtlab import course
 
@@ -180,6 +255,9 @@ def parser() -> argparse.ArgumentParser:
 
     mem = _memory_parser(sub)
     mem.set_defaults(func=_memory)
+
+    adv = _advise_parser(sub)
+    adv.set_defaults(func=_advise)
 
     course = sub.add_parser("course", help="list or run the course notebooks")
     csub = course.add_subparsers(dest="course_command", required=True)

@@ -59,14 +59,18 @@ def inside_node(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
 
 
 def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, global_batch: int = 512,
-         micro_batch: int = 1, seq_len: int = 2048, recompute: str = "selective", mfu: float = 0.4) -> dict:
+         micro_batch: int = 1, seq_len: int = 2048, recompute: str = "selective", mfu: float = 0.4,
+         shape: memory.ModelShape | None = None, precision: str = "bf16") -> dict:
     """Memory per GPU (bytes, by part) and step time (seconds, by part) of ``layout`` on ``cluster``.
 
+    ``shape`` defaults to ``memory.model_shape(num_params)``; ``precision`` is the compute format
+    ("bf16", "fp16": 16-bit values and mixed-precision Adam; "fp32": 4-byte values throughout).
     Raises ``ValueError`` when the layout needs more GPUs than the cluster has, or the batch, the
     layers, the heads or the sequence do not divide by the degrees (the message names the fix).
     """
     c = hardware.cluster(cluster)
-    shape = memory.model_shape(num_params)
+    shape = shape or memory.model_shape(num_params)
+    value_bytes = 4 if precision == "fp32" else 2                    # bytes per activation / gradient value
     if layout.gpus > c.gpus:
         raise ValueError(f"{layout} needs {layout.gpus} GPUs; {c.name} has {c.gpus}. Fix: smaller degrees")
     for what, value, by in (("global_batch", global_batch, layout.dp * micro_batch),
@@ -74,9 +78,10 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, glo
                             ("seq_len", seq_len, layout.cp)):
         if value % by:
             raise ValueError(f"{what}={value} does not divide by {by} for {layout}. Fix: degrees that divide it")
-    states = memory.model_states(num_params / (layout.tp * layout.pp), layout.dp, layout.zero)
+    states = memory.model_states(num_params / (layout.tp * layout.pp), layout.dp, layout.zero,
+                                 "fp32" if precision == "fp32" else "mixed")
     activations = memory.activation_bytes(micro_batch, seq_len // layout.cp, shape.n_layer, shape.n_embd,
-                                          shape.n_head, recompute=recompute) / layout.tp
+                                          shape.n_head, value_bytes, recompute=recompute) / layout.tp
     mem = {"params": states.params, "grads": states.grads, "optimizer": states.optimizer, "activations": activations}
     mem["total"] = sum(mem.values())
 
@@ -87,12 +92,13 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, glo
     layers = shape.n_layer // layout.pp
     tokens = micro_batch * seq_len // layout.cp                      # per micro-batch, per GPU
     ring = lambda n: 2 * (n - 1) / n                                  # noqa: E731
-    sent = {"tp": m * layers * 4 * ring(layout.tp) * tokens * shape.n_embd * 2,
-            "cp": m * layers * 3 * (layout.cp - 1) * 2 * tokens * shape.n_embd * 2,
-            "pp": (2 * m * tokens * shape.n_embd * 2) if layout.pp > 1 else 0.0,
-            "dp": (1.5 if layout.zero == 3 else 1.0) * ring(layout.dp) * 2 * num_params / (layout.tp * layout.pp)}
-    seconds = {name: sent[name] / bandwidth[name] for name in sent}
-    compute = 6 * num_params * global_batch * seq_len / (layout.gpus * mfu * c.gpu.peak_flops("bf16"))
+    sent = {"tp": m * layers * 4 * ring(layout.tp) * tokens * shape.n_embd * value_bytes,
+            "cp": m * layers * 3 * (layout.cp - 1) * 2 * tokens * shape.n_embd * value_bytes,
+            "pp": (2 * m * tokens * shape.n_embd * value_bytes) if layout.pp > 1 else 0.0,
+            "dp": (1.5 if layout.zero == 3 else 1.0) * ring(layout.dp) * value_bytes * num_params
+            / (layout.tp * layout.pp)}
+    seconds = {name: sent[name] / bandwidth[name] if sent[name] else 0.0 for name in sent}
+    compute = 6 * num_params * global_batch * seq_len / (layout.gpus * mfu * c.gpu.peak_flops(precision))
     exposed_dp = max(0.0, seconds["dp"] - 2 / 3 * compute)             # overlapped with the backward pass
     busy = compute + seconds["tp"] + seconds["cp"] + seconds["pp"] + exposed_dp
     bubble = (layout.pp - 1) / (m + layout.pp - 1)

@@ -114,7 +114,7 @@ class NodeType:
 
     name: str
     gpus: int
-    gpu: str              # a key of GPUS
+    gpu: str | GPU        # a key of GPUS (or a GPU, for a cluster described by hand: ``custom_cluster``)
     vcpus: int
     memory_gib: float     # host memory, in GiB as AWS lists it
     network_gbps: float
@@ -124,7 +124,7 @@ class NodeType:
     @property
     def gpu_type(self) -> GPU:
         """The ``GPU`` of this node type."""
-        return GPUS[self.gpu]
+        return self.gpu if isinstance(self.gpu, GPU) else GPUS[self.gpu]
 
     @property
     def gpu_memory_gb(self) -> float:
@@ -213,6 +213,39 @@ class Cluster:
         if self.nodes == 1:
             return self.node.intra_node_gbs
         return min(self.node.intra_node_gbs or self.inter_node_gbs, self.inter_node_gbs)
+
+
+def custom_cluster(gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = None, tflops: float = 0.0,
+                   bf16: bool = True, intra_node_gbs: float = 0.0, inter_node_gbs: float = 0.0,
+                   host_memory_gb_per_gpu: float = 0.0) -> Cluster:
+    """A cluster described by its numbers rather than its name (for GPUs and instances the course does not list).
+
+    Args:
+        gpus: GPUs in all (must divide by ``gpus_per_node``).
+        gpu_memory_gb: memory per GPU in GB (10**9 bytes).
+        gpus_per_node: GPUs per node (default: ``gpus`` up to 8).
+        tflops: peak dense 16-bit TFLOP/s per GPU; 0 when unknown (no step time can then be computed;
+            nor for fp32, whose peak is not asked for).
+        bf16: whether the GPU has bf16 tensor cores.
+        intra_node_gbs, inter_node_gbs: GPU-to-GPU GB/s inside a node and between nodes; 0 when unknown.
+        host_memory_gb_per_gpu: CPU memory per GPU in GB (for offloading); 0 when unknown.
+
+    Raises:
+        ValueError: for sizes below 1, or GPUs that do not fill whole nodes (the message names the fix).
+    """
+    per_node = gpus_per_node or min(gpus, 8)
+    if gpus < 1 or gpu_memory_gb <= 0 or per_node < 1:
+        raise ValueError(f"gpus={gpus}, gpu_memory_gb={gpu_memory_gb:g}, gpus_per_node={per_node}: each must be "
+                         "positive. Fix: e.g. gpus=64, gpu_memory_gb=32")
+    if gpus % per_node:
+        raise ValueError(f"{gpus} GPUs do not fill whole nodes of {per_node}. Fix: a multiple of {per_node} GPUs, "
+                         "or another gpus_per_node")
+    gpu_spec = GPU(f"{gpu_memory_gb:g} GB GPU", int(gpu_memory_gb * GB), round(gpu_memory_gb), bf16,
+                   tflops, tflops if bf16 else 0.0, 0.0)              # fp32 peak: unknown
+    node_spec = NodeType(f"{per_node} x {gpu_spec.name}", per_node, gpu_spec, 0,
+                         host_memory_gb_per_gpu * per_node * GB / GiB, inter_node_gbs * 8,
+                         intra_node_gbs if per_node > 1 else 0.0, "described by hand")
+    return Cluster(f"{gpus} x {gpu_spec.name}", node_spec, gpus // per_node)
 
 
 #: The clusters the course's files describe (clusters/*.yml), by name.

@@ -1,0 +1,194 @@
+"""`dtlab advise`: the advisor against the ZeRO paper, DeepSpeed's estimators and the Megatron formulas.
+
+Every figure the advisor prints comes from `dtlab.memory` and `dtlab.composition`; these tests hold the
+joined-up result to published numbers and to DeepSpeed's own code, and check that bad input is refused
+with the fix and that nothing is recommended that was not computed.
+"""
+
+import json
+
+import pytest
+
+from dtlab import advise, cli, hardware, memory
+
+GB = 1e9
+
+
+def test_the_zero_papers_example_7_5b_on_64_gpus():
+    """Rajbhandari et al. (2019), Figure 1: 120 / 31.4 / 16.6 / 1.9 GB per GPU for DDP / ZeRO-1 / 2 / 3."""
+    a = advise.advise(7.5e9, gpus=64, gpu_mem_gb=32, layouts=False)
+    states = {name: sum(a.row(name)["memory_bytes"][k] for k in ("params", "grads", "optimizer")) / GB
+              for name in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")}
+    assert {k: round(v, 1) for k, v in states.items()} == {"DDP": 120.0, "ZeRO-1": 31.4, "ZeRO-2": 16.6, "ZeRO-3": 1.9}
+    assert not a.timed and a.recommendation["strategy"] == "ZeRO-2"      # first that fits, by memory only
+    assert "step time not computed" in a.recommendation["reason"]
+
+
+@pytest.mark.parametrize("psi", [1.3e9, 7e9, 13e9, 70e9])
+@pytest.mark.parametrize("per_node, nodes", [(4, 1), (4, 4), (8, 8)])
+def test_zero2_and_zero3_states_are_deepspeeds_estimates_less_its_documented_buffers(psi, per_node, nodes):
+    deepspeed = pytest.importorskip("deepspeed")  # noqa: F841
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    n = per_node * nodes
+    a = advise.advise(psi, gpus=n, gpu_mem_gb=80, gpus_per_node=per_node, layouts=False)
+    states = {name: sum(a.row(name)["memory_bytes"][k] for k in ("params", "grads", "optimizer"))
+              for name in ("ZeRO-2", "ZeRO-3")}
+    _, ds2 = estimate_zero2_model_states_mem_needs(psi, per_node, nodes, cpu_offload=False)
+    largest = psi / 50
+    _, ds3, _ = estimate_zero3_model_states_mem_needs(psi, largest, per_node, nodes, cpu_offload=False,
+                                                      cpu_offload_params=False)
+    # DeepSpeed keeps an fp32 gradient shard (4Ψ/N more; stage 2 also holds the 16-bit gradient shard the paper counts)
+    assert ds2 - states["ZeRO-2"] == pytest.approx(4 * psi / n, abs=2)
+    # ...and in stage 3 also the largest layer gathered in fp32
+    assert ds3 - states["ZeRO-3"] == pytest.approx(4 * largest + 2 * psi / n, abs=2)
+
+
+def test_activations_follow_the_megatron_formulas_with_tensor_parallelism():
+    """Korthikanti et al. (2022), Table 2, with tensor and sequence parallelism (t): s*b*h*L*(34/t + 5*a*s/(h*t))
+    without recomputation and 34*s*b*h*L/t with selective recomputation (plus one layer's scores at the peak)."""
+    L, h, a, s, b, t = 32, 4096, 32, 2048, 2, 4
+    for recompute, expected in (("none", s * b * h * L * (34 / t + 5 * a * s / (h * t))),
+                                ("selective", 34 * s * b * h * L / t + 5 * a * s * s * b / t)):
+        adv = advise.advise(n_layer=L, n_embd=h, n_head=a, cluster="g5.12xlarge x4", micro_batch=b, seq_len=s,
+                            recompute=recompute, layout={"dp": 4, "tp": 4})
+        assert adv.rows[0]["memory_bytes"]["activations"] == pytest.approx(expected, rel=1e-12)
+        ddp = advise.advise(n_layer=L, n_embd=h, n_head=a, cluster="g5.12xlarge x4", micro_batch=b, seq_len=s,
+                            recompute=recompute, layouts=False).row("DDP")
+        assert ddp["memory_bytes"]["activations"] == pytest.approx(expected * t, rel=1e-12)   # t = 1
+
+
+def test_the_shape_gives_the_parameters():
+    a = advise.advise(n_layer=32, n_embd=4096, n_head=32, vocab=32000, layouts=False)
+    assert a.model["params"] == 12 * 32 * 4096**2 + 32000 * 4096
+
+
+def test_a_7b_model_on_the_four_g5_nodes_is_timed_and_the_recommendation_is_the_fastest_that_fits():
+    a = advise.advise(7e9, cluster="g5.12xlarge x4")
+    assert a.timed and a.cluster["gpus"] == 16
+    fitting = [r for r in a.rows if r["fits"]]
+    assert not a.row("DDP")["fits"] and a.row("ZeRO-3")["fits"]
+    best = max(r["tokens_per_second"] for r in fitting)
+    assert a.recommendation["tokens_per_second"] == best
+    for r in a.rows:                                  # every part adds up, and the clock is the sum of its parts
+        mem, step = r["memory_bytes"], r["step_seconds"]
+        assert mem["total"] == pytest.approx(sum(v for k, v in mem.items() if k != "total"))
+        assert step["total"] == pytest.approx(step["compute"] + step["comm_exposed"] + step["bubble"] + step["offload"])
+        assert r["tokens_per_second"] == pytest.approx(512 * 2048 / step["total"])
+
+
+def test_sgd_keeps_a_third_less_optimizer_state_than_adam():
+    adam = advise.advise(1e9, layouts=False).row("DDP")["memory_bytes"]["optimizer"]
+    sgd = advise.advise(1e9, optimizer="sgd", layouts=False).row("DDP")["memory_bytes"]["optimizer"]
+    assert adam == 12e9 and sgd == pytest.approx(8e9)
+
+
+def test_nothing_is_recommended_when_nothing_fits():
+    a = advise.advise(70e9, cluster="g5.12xlarge", recompute="none")
+    assert not any(r["fits"] for r in a.rows) and a.recommendation is None
+    assert "nothing fits" in a.table() and "Fix:" in a.table()
+
+
+def test_offload_to_a_host_of_unknown_size_is_neither_yes_nor_no():
+    a = advise.advise(7.5e9, gpus=64, gpu_mem_gb=32, layouts=False)
+    assert a.row("ZeRO-3 + optimizer offload")["fits"] is None
+    assert a.recommendation["strategy"] != "ZeRO-3 + optimizer offload"
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"params": 0}, ValueError, "positive number of parameters. Fix"),
+    ({"params": -7e9}, ValueError, "positive number"),
+    ({"n_layer": 32, "n_embd": 4100, "n_head": 32}, ValueError, "not divisible by 32 heads. Fix"),
+    ({"n_layer": 32, "n_embd": 4096}, ValueError, "whole shape"),
+    ({"params": 7e9, "cluster": "g5.12xlarg x4"}, hardware.UnknownHardware, "did you mean 'g5.12xlarge x4'"),
+    ({"params": 7e9, "cluster": "nope"}, hardware.UnknownHardware, "known: g5.12xlarge"),
+    ({"params": 7e9, "cluster": "g5.12xlarge x4", "layout": {"dp": 2, "tp": 4}}, ValueError, "product is 16"),
+    ({"params": 7e9, "cluster": "g4dn.12xlarge"}, ValueError, "no bf16. Fix: precision='fp16'"),
+    ({"params": 7e9, "precision": "fp8"}, ValueError, "precision='fp8'"),
+    ({"params": 7e9, "gpus": 12, "gpu_mem_gb": 80, "gpus_per_node": 8}, ValueError, "whole nodes"),
+])
+def test_bad_input_is_refused_with_the_fix(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        advise.advise(**kwargs)
+
+
+def test_dtlab_advise_json_gives_bytes_per_strategy(capsys):
+    assert cli.main(["advise", "--params", "7.5e9", "--gpus", "64", "--gpu-mem-gb", "32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ddp = next(s for s in out["strategies"] if s["strategy"] == "DDP")
+    assert ddp["memory_bytes"]["params"] + ddp["memory_bytes"]["grads"] + ddp["memory_bytes"]["optimizer"] == 120e9
+    assert out["step_time_computed"] is False and out["recommendation"]["strategy"] == "ZeRO-2"
+
+
+def test_dtlab_advise_table_and_bad_input(capsys):
+    assert cli.main(["advise", "--params", "7e9", "--cluster", "g5.12xlarge x4"]) == 0
+    out = capsys.readouterr().out
+    assert "GB = 10^9 bytes" in out and "Recommendation: " in out and "TP4 x DP4" in out
+    assert cli.main(["advise", "--params", "7e9", "--cluster", "g5.12xlarge x4", "--layout", "dp=2,tp=4"]) == 2
+    assert "product is 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["advise", "--params", "-1"])
+    assert "out of range" in capsys.readouterr().err
+
+
+def test_the_memory_model_is_the_one_the_course_measures_against():
+    # Notebooks 06 and 12 assert that measured per-rank elements equal dtlab.memory's formulas; the advisor
+    # prints the same formulas (bytes = elements x bytes per element), not a second copy of them.
+    a = advise.advise(1e6, gpus=2, gpu_mem_gb=24, precision="fp32", layouts=False, recompute="full")
+    for name, stage in (("DDP", 0), ("ZeRO-1", 1), ("ZeRO-2", 2), ("ZeRO-3", 3)):
+        paper = memory.model_states(1e6, 2, stage, "fp32")
+        row = a.row(name)["memory_bytes"]
+        assert (row["params"], row["grads"], row["optimizer"]) == (paper.params, paper.grads, paper.optimizer)
+
+
+def _fsdp_held(cfg):
+    import torch
+    import torch.distributed as dist
+
+    from dtlab.parallel.fsdp import ScratchFSDP
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(cfg["width"], cfg["width"], bias=False) for _ in range(3)])
+    fsdp = ScratchFSDP(model)
+    optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
+    fsdp(torch.randn(4, cfg["width"])).sum().backward()
+    fsdp.finish_gradient_synchronization()
+    optimizer.step()
+    held = fsdp.held_elements()
+    held["optimizer"] = sum(t.numel() for s in optimizer.state.values() for t in s.values() if t.dim())
+    dist.destroy_process_group()
+    return held
+
+
+def test_zero3_per_rank_states_match_a_measured_fsdp_at_two_ranks():
+    # The scratch FSDP of notebook 12, run on 2 gloo processes in fp32 with AdamW: what each rank really holds,
+    # counted, against the advisor's ZeRO-3 row for the same number of parameters (bytes / 4 = elements).
+    from dtlab.launch import run
+
+    width = 64
+    psi = 3 * width * width
+    held = run(_fsdp_held, {"width": width}, nprocs=2)
+    row = advise.advise(psi, gpus=2, gpu_mem_gb=24, precision="fp32", layouts=False).row("ZeRO-3")["memory_bytes"]
+    for rank in held:
+        assert rank["params"] == row["params"] / 4 == psi / 2
+        assert rank["grads"] == row["grads"] / 4
+        # the advisor counts DeepSpeed's fp32 master shard too (4 bytes per held parameter); the scratch FSDP's
+        # fp32 shards are the master, so it holds only Adam's two moments
+        assert rank["optimizer"] == (row["optimizer"] - row["params"]) / 4 == 2 * psi / 2
+
+
+def test_the_form_is_a_real_ipywidgets_form_that_redraws(capsys):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    form = advise.form(7.0, "g5.12xlarge x4")
+    controls = {c.description: c for c in form.children[:-1]}
+    assert set(controls) == {"B params", "cluster", "micro-batch", "sequence", "precision", "recompute"}
+    form.update()                                          # what moving a control does
+    controls["B params"].value = 70.0
+    form.update()
+    printed = [o for o in form.out.outputs if o.get("name") == "stdout"] if hasattr(form, "out") else []
+    text = "".join(o["text"] for o in printed) or capsys.readouterr().out
+    assert "70B parameters" in text and "Recommendation" in text
