@@ -4,13 +4,13 @@ Each notebook ends with a cell of claims on values it computed, so a pass here m
 claims held on this machine, not just that the code ran. Nothing a notebook starts may outlive it.
 New notebooks are picked up automatically. Each notebook also runs a second time, with other
 parameters (3 processes where it takes ``nprocs``, other batch sizes and epochs) and its exercise
-solutions: here for the lessons on PyTorch alone, on the learner's runtime stack for the others
-(``tests/runtime/test_notebooks_other_parameters.py``; why, in ``tests/variants.py``).
+solutions, on the learner's runtime stack (``tests/runtime/test_notebooks_other_parameters.py``),
+except those that run once, with their solutions, here (why, in ``tests/variants.py``).
 """
 
 
 import pytest
-from variants import NOTEBOOKS, ON_RUNTIME_STACK, check_result, check_second_run, second_runs
+from variants import NOTEBOOKS, ON_RUNTIME_STACK, RUN_ONCE, check_result, check_second_run, run_once, second_runs
 
 from dtlab import course
 
@@ -22,7 +22,7 @@ def test_the_course_has_notebooks():
 @pytest.mark.notebook
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
 def test_notebook_runs_and_its_claims_hold(notebook, tmp_path):
-    check_result(course.run_one(notebook, tmp_path, ci=True, stream=False), notebook)
+    check_result(course.run_one(notebook, tmp_path, ci=True, stream=False, solutions=run_once(notebook)), notebook)
 
 
 @pytest.mark.notebook
@@ -33,5 +33,7 @@ def test_notebook_holds_with_other_parameters_and_its_solutions_work(notebook, t
 
 def test_every_notebook_has_its_second_run_on_one_stack():
     newest, runtime = second_runs("newest"), second_runs("runtime")
-    assert sorted(newest + runtime) == NOTEBOOKS and not set(newest) & set(runtime)
+    once = [nb for nb in NOTEBOOKS if run_once(nb)]
+    assert sorted(newest + runtime + once) == NOTEBOOKS and not set(newest) & set(runtime)
+    assert len(once) == len(RUN_ONCE) and not set(once) & set(runtime), "a notebook runs once or twice, not both"
     assert len(runtime) == len(ON_RUNTIME_STACK), f"a notebook of {ON_RUNTIME_STACK} is missing"

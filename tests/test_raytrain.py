@@ -152,7 +152,7 @@ def test_ray_data_shards_are_disjoint_and_cover_all_but_fewer_than_n_rows(local_
     folder = raytrain.write_parquet(data.digits()[0], tmp_path / "digits")
     dataset = ray.data.read_parquet(str(folder))
     rows = dataset.count()
-    for n in (2, 3):
+    for n in (3,):                              # 2 workers: notebook 17's claims check every epoch's shards
         shards = dataset.streaming_split(n, equal=True)
         seen = [[] for _ in range(n)]
 
