@@ -143,18 +143,31 @@ def without_solutions(path: Path, out: Path) -> Path:
     return out
 
 
-def stop_leftovers(run_id: str) -> list[str]:
-    """Stop every process whose environment carries ``DTLAB_RUN_ID=run_id``; return their command lines."""
+def stop_leftovers(run_id: str, grace: float = 5.0) -> list[str]:
+    """Stop every process whose environment carries ``DTLAB_RUN_ID=run_id``; return their command lines.
+
+    Processes get ``grace`` seconds to exit by themselves first: a kernel's children (a Spark JVM, say)
+    notice their parent's exit a moment after it, and only what is still running then was left behind.
+    """
     import psutil
 
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if proc.pid == os.getpid() or proc.environ().get("DTLAB_RUN_ID") != run_id:
+    def running() -> list:
+        out = []
+        for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+            try:
+                if (proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE
+                        or proc.environ().get("DTLAB_RUN_ID") != run_id):
+                    continue
+                out.append(proc)
+            except (psutil.Error, OSError):
                 continue
-            found.append(proc)
-        except (psutil.Error, OSError):
-            continue
+        return out
+
+    deadline = time.monotonic() + grace
+    found = running()
+    while found and time.monotonic() < deadline:
+        time.sleep(0.2)
+        found = running()
     lines = []
     for proc in found:
         try:

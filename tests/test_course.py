@@ -1,4 +1,5 @@
 import json
+import os
 from pathlib import Path
 
 import nbformat
@@ -107,3 +108,18 @@ def test_every_parameter_of_every_notebook_is_found_with_its_default(path):
     assert sorted(params) == sorted(re.findall(r'"(\w+)"', widgets))
     for default in params.values():
         ast.literal_eval(default)  # a plain value, nothing glued on
+
+
+def test_stop_leftovers_waits_for_processes_that_are_exiting_and_stops_the_rest():
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "DTLAB_RUN_ID": "leftover-test"}
+    exiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"], env=env)
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    start = time.monotonic()
+    left = course.stop_leftovers("leftover-test", grace=3.0)
+    assert time.monotonic() - start >= 3.0
+    assert len(left) == 1 and "sleep(60)" in left[0]          # the one that was exiting is not reported
+    assert stuck.wait(timeout=5) != 0 and exiting.wait(timeout=5) == 0
