@@ -311,15 +311,10 @@ def _as_layout(layout, gpus: int) -> composition.Layout:
 
 def _layout_row(lay, num_params, c, kw, optimizer, timed) -> dict | None:
     try:
-        cost = composition.cost(num_params, lay, c, **{**kw, "precision": kw["precision"]}) if timed else None
+        cost = composition.cost(num_params, lay, c, **kw) if timed else None
         if cost is None:   # memory only: the same arithmetic, without the clock
-            states = memory.model_states(num_params / (lay.tp * lay.pp), lay.dp, lay.zero,
-                                         "fp32" if kw["precision"] == "fp32" else "mixed")
-            shape = kw["shape"]
-            acts = memory.activation_bytes(kw["micro_batch"], kw["seq_len"] // lay.cp, shape.n_layer, shape.n_embd,
-                                           shape.n_head, 4 if kw["precision"] == "fp32" else 2,
-                                           recompute=kw["recompute"]) / lay.tp
-            mem = {"params": states.params, "grads": states.grads, "optimizer": states.optimizer, "activations": acts}
+            mem = composition.memory_per_gpu(num_params, lay, kw["shape"], kw["micro_batch"], kw["seq_len"],
+                                             kw["recompute"], kw["precision"])
         else:
             mem = {k: v for k, v in cost["memory"].items() if k != "total"}
     except ValueError:

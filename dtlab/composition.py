@@ -58,6 +58,17 @@ def inside_node(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
     return out
 
 
+def memory_per_gpu(num_params: float, layout: Layout, shape: memory.ModelShape, micro_batch: int = 1,
+                   seq_len: int = 2048, recompute: str = "selective", precision: str = "bf16") -> dict[str, float]:
+    """Bytes per GPU of ``layout``: ``params``, ``grads``, ``optimizer`` (ZeRO over DP) and ``activations`` (/ TP)."""
+    states = memory.model_states(num_params / (layout.tp * layout.pp), layout.dp, layout.zero,
+                                 "fp32" if precision == "fp32" else "mixed")
+    activations = memory.activation_bytes(micro_batch, seq_len // layout.cp, shape.n_layer, shape.n_embd,
+                                          shape.n_head, 4 if precision == "fp32" else 2,
+                                          recompute=recompute) / layout.tp
+    return {"params": states.params, "grads": states.grads, "optimizer": states.optimizer, "activations": activations}
+
+
 def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, global_batch: int = 512,
          micro_batch: int = 1, seq_len: int = 2048, recompute: str = "selective", mfu: float = 0.4,
          shape: memory.ModelShape | None = None, precision: str = "bf16") -> dict:
@@ -78,11 +89,7 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, glo
                             ("seq_len", seq_len, layout.cp)):
         if value % by:
             raise ValueError(f"{what}={value} does not divide by {by} for {layout}. Fix: degrees that divide it")
-    states = memory.model_states(num_params / (layout.tp * layout.pp), layout.dp, layout.zero,
-                                 "fp32" if precision == "fp32" else "mixed")
-    activations = memory.activation_bytes(micro_batch, seq_len // layout.cp, shape.n_layer, shape.n_embd,
-                                          shape.n_head, value_bytes, recompute=recompute) / layout.tp
-    mem = {"params": states.params, "grads": states.grads, "optimizer": states.optimizer, "activations": activations}
+    mem = memory_per_gpu(num_params, layout, shape, micro_batch, seq_len, recompute, precision)
     mem["total"] = sum(mem.values())
 
     local = inside_node(layout, c.node.gpus)
