@@ -58,6 +58,7 @@ def train(stage):
             engine.step()
         held = {**held_elements(engine), "grads": grads}
         if stage == 3:  # gather the shards to compare full weights
+            held["whole_on_every_rank"] = sum(bool(getattr(p, "ds_persist", False)) for p in model.parameters())
             with deepspeed.zero.GatheredParameters(list(model.parameters())):
                 state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             dist.destroy_process_group()
@@ -90,6 +91,8 @@ def test_zero_stage_trains_the_same_weights_as_ddp_and_holds_what_the_model_says
         assert h["master_weights"] == pytest.approx(psi / n if stage >= 1 else 0, abs=pad)
         # At the end of an accumulation cycle DeepSpeed's stages 1-3 keep only their reduced shard.
         assert h["grads"] == pytest.approx(psi if stage == 0 else psi / n, abs=pad)
+        if stage == 3:  # ds_config partitions every parameter (see ds_config.build, persistence_threshold)
+            assert h["whole_on_every_rank"] == 0
 
 
 def _init_deepspeed():
