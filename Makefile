@@ -1,4 +1,5 @@
 # The course's two commands:  make course  (run every notebook)   make test  (run the test suite).
+# make site: the newest run as a website in site/.
 # Both set up .venv first (idempotent; the first run builds Horovod and DeepSpeed ops, cached).
 # make test-runtime: the learner's Databricks Runtime 15.4 LTS ML stack in .venv-dbr15.4, every notebook
 # as a simulated Databricks job task, and the unit tests of code a cluster runs.
@@ -18,12 +19,17 @@ RUNTIME_UNIT_TESTS ?= tests/test_checkpoint.py tests/test_tracking.py tests/test
 	tests/test_tensor_parallel.py tests/test_pipeline.py tests/test_context_parallel.py tests/test_expert_parallel.py \
 	tests/test_composition.py
 
-.PHONY: setup setup-runtime course test test-runtime lint clean
+.PHONY: setup setup-runtime course site test test-runtime lint clean
 setup:
 	@bash scripts/setup.sh
 
 course: setup
 	$(VENV)/bin/dtlab course run $(NOTEBOOKS) $(PARAMS)
+
+# The newest course run (RUN=runs/<timestamp> for another) as a website in site/, checked in headless
+# Chromium; with no run yet, the course runs first with its CI parameters.
+site: setup
+	$(VENV)/bin/dtlab site $(RUN)
 
 test: setup
 	$(PY) -m pytest --ignore=tests/runtime $(PYTEST_ARGS)

@@ -32,6 +32,7 @@ One module per concept; import the one you need:
     dtlab.clusters     validate Databricks cluster files and the bundle offline
     dtlab.notebook     notebook parameters from Databricks widgets
     dtlab.course       run the course notebooks headless (``dtlab course run``)
+    dtlab.website      a course run as a static website, checked page by page in headless Chromium (``make site``)
     dtlab.jobs         the Databricks job's summary of every lesson's status
 
 Modules load on first use, so ``import dtlab`` is quick and ``dtlab.checkpoint`` just works.

@@ -9,8 +9,11 @@
                                                 run notebooks headless into runs/<timestamp>/
     dtlab clusters validate [PATH ...]          check cluster files and databricks.yml offline
                                                 (default: clusters/*.yml and databricks.yml)
+    dtlab site [RUN] [--out site] [--no-check]  the newest course run (or RUN) as a website in site/,
+                                                then every page checked in headless Chromium
 
-Exit codes: 0 success, 1 a notebook failed or a cluster file is invalid, 2 bad input (unknown
+Exit codes: 0 success, 1 a notebook failed, a cluster file is invalid or the site check found a
+problem, 2 bad input (unknown
 notebook, malformed -p, a path that does not exist, databricks-bundles not installed, a memory
 question with a non-positive size or an unknown GPU or cluster).
 """
@@ -130,6 +133,39 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
     adv.add_argument("--data-parallel-only", action="store_true", help="leave out TP x PP x DP layouts")
     adv.add_argument("--json", action="store_true", help="print everything as JSON (bytes, seconds)")
     return adv
+
+
+def _site(args: argparse.Namespace) -> int:
+    import time
+
+    from dtlab import course, website
+
+    try:
+        run_dir = args.run or website.newest_run(args.runs)
+        if run_dir is None:
+            problem = website.course_cannot_run()
+            if problem:
+                raise website.SiteError(f"no course run in {args.runs}/ to publish, and the course cannot run here: "
+                                        f"{problem}. Fix: `make site` (it runs `make setup` first), or `make setup` "
+                                        "then `dtlab site`.")
+            print(f"[site] no course run in {args.runs}/: running the course with its CI parameters first", flush=True)
+            run_dir, _ = course.run(ci=True, root=args.runs, stream=False)
+        start = time.perf_counter()
+        out = website.build(run_dir, args.out)
+        print(f"[site] built {out}/ from {run_dir} in {time.perf_counter() - start:.0f} s; open {out}/index.html "
+              f"or serve it: python -m http.server -d {out}", flush=True)
+        if args.no_check:
+            return 0
+        start = time.perf_counter()
+        report = website.check(out)
+    except (website.SiteError, course.CourseError) as exc:
+        print(f"dtlab site: {exc}", file=sys.stderr)
+        return 2
+    print(f"[site] browser check in {time.perf_counter() - start:.0f} s: {report.pages} pages, {report.links} "
+          f"internal links, {report.plots} plots; screenshots {', '.join(report.screenshots)}")
+    for problem in report.problems:
+        print(f"[site] PROBLEM {problem}", file=sys.stderr)
+    return 0 if report.ok else 1
 
 
 def _course_list(args: argparse.Namespace) -> int:
@@ -274,6 +310,13 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--notebooks", default=None, help="notebook folder (default: ./notebooks)")
     run.add_argument("-q", "--quiet", action="store_true", help="do not stream cell output")
     run.set_defaults(func=_course_run)
+
+    site = sub.add_parser("site", help="publish a course run as a website and check it in headless Chromium")
+    site.add_argument("run", nargs="?", default=None, help="a run folder (default: the newest under --runs)")
+    site.add_argument("--runs", default="runs", help="where run folders are (default: ./runs)")
+    site.add_argument("--out", default="site", help="where the website goes (default: ./site)")
+    site.add_argument("--no-check", action="store_true", help="build only; skip the browser check")
+    site.set_defaults(func=_site)
 
     clu = sub.add_parser("clusters", help="check Databricks cluster files and the bundle offline")
     clusub = clu.add_subparsers(dest="clusters_command", required=True)

@@ -2,7 +2,8 @@
 
 Each run goes to its own folder ``runs/<timestamp>/``: the executed notebooks (with outputs and
 plots), whatever the notebooks wrote (checkpoints, the MLflow store), and ``summary.json`` /
-``summary.md`` with each notebook's status, duration, and failing cell and error if any.
+``summary.md`` with each notebook's status, duration, and failing cell and error if any, and
+``environment.json`` (the machine and library versions).
 Notebooks execute with that folder as their working directory, so nothing lands in the repo.
 
 A notebook may carry small "CI" parameters in its metadata (``metadata.dtlab.ci_parameters``);
@@ -269,6 +270,7 @@ def run(names: list[str] | None = None, params: dict[str, Any] | None = None, ci
             raise CourseError(f"parameter(s) {', '.join(unknown)} not declared by "
                               f"{', '.join(nb.stem for nb in notebooks)}. Valid: {', '.join(sorted(declared))}")
     run_dir = new_run_dir(root)
+    write_environment(run_dir)
     results = []
     for nb in notebooks:
         own = {k: v for k, v in params.items() if k in notebook_parameters(nb)}
@@ -294,6 +296,14 @@ def format_summary(results: list[Result]) -> str:
     ok = sum(r.status == "ok" for r in results)
     rows.append(f"\n{ok}/{len(results)} notebooks ok, {sum(r.seconds for r in results):.1f} s in total")
     return "\n".join(rows)
+
+
+def write_environment(run_dir: Path) -> None:
+    """Write ``environment.json`` (what ``dtlab env --json`` prints) into the run folder: the machine
+    and library versions the run's numbers come from (the course website shows it on every page)."""
+    from dtlab import environment
+
+    (run_dir / "environment.json").write_text(json.dumps(environment.report(), indent=2, default=str))
 
 
 def write_summary(run_dir: Path, results: list[Result]) -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything the course needs, idempotently: .venv with requirements.txt and dtlab,
-# Horovod and DeepSpeed with its C++ ops (each built once, cached as wheels), a Jupyter kernel.
+# Horovod and DeepSpeed with its C++ ops (each built once, cached as wheels), a Jupyter kernel,
+# and Debian's Chromium for the website's browser check.
 # Called by `make setup`, and so by `make course` and `make test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,20 @@ fi
 
 bash scripts/build_horovod.sh "$PY"
 bash scripts/build_deepspeed.sh "$PY"
+
+# Chromium for the website's browser check (make site, tests/test_website.py): Debian's package.
+if [ ! -x "${DTLAB_CHROMIUM:-/usr/bin/chromium}" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing Debian's chromium for the website's browser check (about 20 s)"
+    t=$SECONDS
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+    say "chromium installed in $((SECONDS - t)) s"
+  else
+    say "WARNING: no Chromium, and this user cannot apt-get it. The website's browser check will fail until" \
+        "'sudo apt-get install chromium' (or DTLAB_CHROMIUM=/path/to/chromium)."
+  fi
+fi
 
 if [ ! -f "$VENV/share/jupyter/kernels/python3/kernel.json" ]; then
   say "registering the Jupyter kernel 'python3' in $VENV"

@@ -1,0 +1,351 @@
+"""The executed course as a static website, and a check of it in a real browser.
+
+``build(run_dir)`` turns a course run (``runs/<timestamp>/``: executed notebooks, ``summary.json``,
+each notebook's ``claims.json``, ``environment.json``) into a website in ``site/`` with Sphinx,
+MyST-NB and the Sphinx Book Theme: a home page with the course map, one page per notebook in
+course order with its outputs and plots, a header on each saying how that page was produced
+(parameters, machine, date, status) and its claims with their measured values, and the ``dtlab``
+API reference from its docstrings. A notebook that failed is published with its failure at the top.
+Everything the pages load comes from the installed packages: the site builds and reads offline,
+from the file system or any static server.
+
+``check(site_dir)`` opens every page in headless Chromium and reports what is wrong: a missing page,
+a broken internal link, a notebook page without its plots, a console error, a request that leaves
+the site. ``make site`` does both; ``dtlab site build`` / ``dtlab site check`` do one each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CHROMIUM = os.environ.get("DTLAB_CHROMIUM", "/usr/bin/chromium")
+# Without the background-networking flags Chromium keeps calling Google's hosts, which a closed
+# network refuses (and reports as errors).
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+MANIFEST = "_dtlab_pages.json"
+
+
+class SiteError(RuntimeError):
+    """The site cannot be built or checked; the message says how to fix it."""
+
+
+def newest_run(root: str | os.PathLike = "runs") -> Path | None:
+    """The newest run folder under ``root`` that finished (it has ``summary.json``), or None."""
+    runs = sorted(p.parent for p in Path(root).glob("*/summary.json"))
+    return runs[-1] if runs else None
+
+
+def _require(module: str, what: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise SiteError(f"{what} ({module}) is not installed in {sys.executable}. Fix: `make setup` "
+                        f"(it installs requirements.txt into .venv), then `make site`.")
+
+
+def course_cannot_run() -> str | None:
+    """Why this Python cannot run the course headless (papermill or the course's kernel missing), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("papermill") is None:
+        return f"papermill is not installed in {sys.executable}"
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    if "python3" not in KernelSpecManager().find_kernel_specs():
+        return "no Jupyter kernel 'python3' is registered"
+    return None
+
+
+def _run_time(run_dir: Path) -> str:
+    try:
+        stamp = time.strptime(run_dir.name[:15], "%Y%m%d-%H%M%S")
+        return time.strftime("%Y-%m-%d %H:%M", stamp)
+    except ValueError:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime((run_dir / "summary.json").stat().st_mtime))
+
+
+def _machine(env: dict[str, Any] | None) -> str:
+    if not env:
+        return "not recorded (a run made before `dtlab course run` wrote environment.json)"
+    plan = env.get("plan", {})
+    gpus = ", ".join(env.get("gpus") or []) or "no GPU"
+    libs = ", ".join(f"{k} {v}" for k, v in (env.get("packages") or {}).items() if v)
+    return (f"{env.get('cpu_cores')} CPU cores, {gpus}; backend {plan.get('backend')} on {plan.get('device')}, "
+            f"{plan.get('nprocs')} processes; Python {env.get('python')}, torch {env.get('torch')}, {libs}")
+
+
+def _cell(text: str) -> dict[str, Any]:
+    return {"cell_type": "markdown", "metadata": {}, "source": text}
+
+
+def _header(result: dict[str, Any], claims: list[dict[str, Any]] | None, machine: str, when: str) -> str:
+    params = ", ".join(f"`{k}={v!r}`" for k, v in sorted(result.get("parameters", {}).items())) or "the defaults"
+    lines = []
+    if result["status"] != "ok":
+        cell = result.get("failing_cell")
+        lines += [":::{error} This notebook FAILED in this run" + (f" at cell {cell}" if cell is not None else ""),
+                  f"`{(result.get('error') or 'no error recorded').splitlines()[0][:500]}`",
+                  "", "The outputs below stop where it failed; its claims were not all checked.", ":::", ""]
+    lines += [":::{admonition} How this page was produced", ":class: note",
+              f"**Run** {when}, {result['status']} in {result['seconds']:.0f} s · **parameters** {params}  ",
+              f"**Machine** {machine}", ":::", ""]
+    if claims:
+        held = sum(c["holds"] for c in claims)
+        lines += [f"**Claims** ({held} of {len(claims)} hold; asserted in the last cell):", "",
+                  "| claim | holds | measured |", "|---|---|---|"]
+        for c in claims:
+            measured = ", ".join(f"{k} = {v}" for k, v in c["measured"].items()).replace("|", "\\|")
+            lines.append(f"| {c['claim'].replace('|', chr(92) + '|')} | {'yes' if c['holds'] else '**NO**'} | "
+                         f"{measured[:300]} |")
+    elif result["status"] == "ok":
+        lines.append("This run recorded no claims for this notebook.")
+    return "\n".join(lines) + "\n"
+
+
+def _plots(nb: dict[str, Any]) -> int:
+    return sum("image/png" in out.get("data", {}) for c in nb["cells"] if c["cell_type"] == "code"
+               for out in c.get("outputs", []))
+
+
+def _course_map(readme: Path, published: set[str]) -> str:
+    """The README's notebook table, each row linked to its page when this run has it."""
+    rows = [line for line in readme.read_text().splitlines() if re.match(r"\| \d\d \| `\d\d_\w+` \|", line)]
+    out = ["| # | notebook | what it teaches and measures |", "|---|---|---|"]
+    for row in rows:
+        number, name, rest = re.match(r"\| (\d\d) \| `(\w+)` \| (.*)", row).groups()
+        link = f"[{name}]({name}.ipynb)" if name in published else f"{name} (not in this run)"
+        out.append(f"| {number} | {link} | {rest}")
+    return "\n".join(out)
+
+
+def _readme_section(readme: Path, heading: str) -> str:
+    text = readme.read_text()
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start + len(heading):end if end > 0 else None].strip()
+
+
+def _api_page() -> str:
+    """Every public module, class and function of dtlab with its signature and docstring, shown as
+    plain text (as ``help()`` shows it: the docstrings are written to be read, not as reStructuredText)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import dtlab
+
+    def block(doc: str | None) -> list[str]:
+        return ["````text", inspect.cleandoc(doc or "(no docstring)"), "````", ""]
+
+    names = sorted(m.name for m in pkgutil.walk_packages(dtlab.__path__, "dtlab.")
+                   if not any(part.startswith("_") for part in m.name.split(".")) and ".clusters" not in m.name)
+    lines = ["# The `dtlab` API", "", "Generated from the docstrings: `help(dtlab.<module>)` shows the same.", ""]
+    for name in names:
+        module = importlib.import_module(name)
+        lines += [f"## `{name}`", "", *block(module.__doc__)]
+        for attr, obj in vars(module).items():
+            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+                continue
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            try:
+                signature = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                signature = ""
+            kind = "class " if inspect.isclass(obj) else ""
+            lines += [f"### `{name}.{attr}`", "", "```python", f"{kind}{attr}{signature}", "```", "",
+                      *block(obj.__doc__)]
+    return "\n".join(lines)
+
+
+CONF = '''\
+project = "Distributed training, runnable"
+author = "dtlab"
+extensions = ["myst_nb"]
+myst_enable_extensions = ["colon_fence"]
+nb_execution_mode = "off"            # the run already executed every notebook
+nb_merge_streams = True
+html_theme = "sphinx_book_theme"
+html_title = project
+html_theme_options = {"show_toc_level": 2, "use_download_button": False}
+html_context = {"default_mode": "light"}
+html_last_updated_fmt = None
+suppress_warnings = ["myst.header", "mystnb.unknown_mime_type", "toc.not_included", "misc.highlighting_failure"]
+exclude_patterns = ["_build"]
+'''
+
+
+def build(run_dir: str | os.PathLike, out: str | os.PathLike = "site", readme: str | os.PathLike = "README.md",
+          work: str | os.PathLike = "build/site-source", quiet: bool = True) -> Path:
+    """Build the website of ``run_dir`` into ``out`` and return ``out``.
+
+    Raises:
+        SiteError: the run folder has no ``summary.json``, or Sphinx / MyST-NB is not installed.
+    """
+    run_dir, out, work, readme = Path(run_dir), Path(out), Path(work), Path(readme)
+    if not (run_dir / "summary.json").exists():
+        raise SiteError(f"{run_dir} is not a finished course run (no summary.json). Fix: `make course` "
+                        "(or `dtlab course run --ci`), then `make site`; or name a folder under runs/.")
+    _require("sphinx", "Sphinx")
+    _require("myst_nb", "MyST-NB")
+    _require("sphinx_book_theme", "the Sphinx Book Theme")
+    results = json.loads((run_dir / "summary.json").read_text())
+    env_file = run_dir / "environment.json"
+    machine = _machine(json.loads(env_file.read_text()) if env_file.exists() else None)
+    when = _run_time(run_dir)
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    (work / "conf.py").write_text(CONF)
+    manifest: dict[str, Any] = {}
+    for result in sorted(results, key=lambda r: r["notebook"]):
+        name = result["notebook"]
+        executed = run_dir / f"{name}.ipynb"
+        if not executed.exists():  # it failed before papermill wrote anything: publish the failure alone
+            nb = {"cells": [_cell(f"# {name}")], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+        else:
+            nb = json.loads(executed.read_text())
+        claims_file = run_dir / f"{name}.claims.json"
+        claims = json.loads(claims_file.read_text()) if claims_file.exists() else None
+        # papermill's own "An Exception was encountered" cells: the header says it, with the cell
+        nb["cells"] = [c for c in nb["cells"] if "papermill-error-cell-tag" not in c["metadata"].get("tags", [])]
+        header = _cell(_header(result, claims, machine, when))
+        first = "".join(nb["cells"][0]["source"]) if nb["cells"] and nb["cells"][0]["cell_type"] == "markdown" else ""
+        if first.startswith("# "):  # the header goes right under the notebook's title
+            title, _, rest = first.partition("\n")
+            nb["cells"][0:1] = [_cell(title), header] + ([_cell(rest)] if rest.strip() else [])
+        else:
+            nb["cells"].insert(0, header)
+        (work / f"{name}.ipynb").write_text(json.dumps(nb))
+        manifest[f"{name}.html"] = {"notebook": name, "status": result["status"], "plots": _plots(nb)}
+    ok = sum(r["status"] == "ok" for r in results)
+    failed = [r["notebook"] for r in results if r["status"] != "ok"]
+    index = ["# Distributed training, runnable", "",
+             _readme_section(readme, "# Distributed training, runnable").split("\n## ")[0], "",
+             f"These pages are the course as it ran on {when}: {ok} of {len(results)} notebooks ran to the end"
+             + (f"; **failed: {', '.join(failed)}** (each page says where)." if failed else ".")
+             + f" Machine: {machine}.", "",
+             "## The course", "", _course_map(readme, set(manifest_name[:-5] for manifest_name in manifest)), "",
+             "## Run it yourself", "", _readme_section(readme, "## Two commands"), "",
+             "The helper package's reference: [the dtlab API](api.md).", "",
+             "```{toctree}", ":hidden:", ":caption: Notebooks", "",
+             *[n[:-5] for n in manifest], "", "```", "",
+             "```{toctree}", ":hidden:", ":caption: Reference", "", "api", "```", ""]
+    (work / "index.md").write_text("\n".join(index))
+    (work / "api.md").write_text(_api_page())
+    manifest["index.html"] = {"notebook": None, "status": "ok", "plots": 0}
+    manifest["api.html"] = {"notebook": None, "status": "ok", "plots": 0}
+
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-j", "2", *(["-q"] if quiet else []), str(work), str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SiteError(f"Sphinx failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
+    (out / MANIFEST).write_text(json.dumps({"run": str(run_dir.resolve()), "pages": manifest}, indent=1))
+    return out
+
+
+@dataclass
+class Check:
+    """What ``check`` found: the pages it opened and every problem, each naming its page."""
+
+    pages: int = 0
+    links: int = 0
+    plots: int = 0
+    problems: list[str] = field(default_factory=list)
+    screenshots: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check(site: str | os.PathLike = "site", screenshots: str | os.PathLike | None = None) -> Check:
+    """Open every page of a built ``site`` in headless Chromium and return what is wrong.
+
+    Fails a page on: the page missing, an internal link to a file or anchor that does not exist,
+    fewer loaded images than its notebook has plots, a console error or uncaught exception, and
+    any request that is not to a file of the site (the site must work offline). Screenshots of the
+    home page and the first notebook page with plots go to ``screenshots`` (default: the run folder).
+    """
+    from urllib.parse import unquote, urlparse
+
+    site = Path(site).resolve()
+    if not (site / MANIFEST).exists():
+        raise SiteError(f"{site} is not a built course site (no {MANIFEST}). Fix: `make site`.")
+    _require("playwright", "Playwright")
+    if not Path(CHROMIUM).exists():
+        raise SiteError(f"no Chromium at {CHROMIUM}. Fix: `make setup` installs Debian's chromium "
+                        "(apt-get install chromium), or set DTLAB_CHROMIUM to a Chromium binary.")
+    from playwright.sync_api import sync_playwright
+
+    manifest = json.loads((site / MANIFEST).read_text())
+    shots = Path(screenshots or manifest["run"])
+    report = Check()
+    anchors: dict[Path, set[str]] = {}
+
+    def ids(html: Path) -> set[str]:
+        if html not in anchors:
+            anchors[html] = set(re.findall(r'\bid="([^"]+)"', html.read_text()))
+        return anchors[html]
+
+    pages = list(manifest["pages"].items()) + [("search.html", {"plots": 0}), ("genindex.html", {"plots": 0})]
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        current = {"name": ""}
+
+        def outside(route):
+            report.problems.append(f"{current['name']}: requested {route.request.url} (not a file of the site)")
+            route.abort()
+
+        page.route(re.compile(r"^(?!file:).*"), outside)
+        page.on("console", lambda m: m.type == "error" and report.problems.append(
+            f"{current['name']}: console error: {m.text[:300]}"))
+        page.on("pageerror", lambda e: report.problems.append(f"{current['name']}: uncaught error: {e}"))
+        shot_notebook = None
+        for name, info in pages:
+            current["name"] = name
+            path = site / name
+            if not path.exists():
+                report.problems.append(f"{name}: page missing")
+                continue
+            page.goto(path.as_uri(), wait_until="load")
+            report.pages += 1
+            for href in page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)"):
+                url = urlparse(href)
+                if url.scheme != "file":
+                    continue
+                report.links += 1
+                target = Path(unquote(url.path))
+                shown = target.relative_to(site) if target.is_relative_to(site) else target
+                if not target.exists():
+                    report.problems.append(f"{name}: broken link to {shown}")
+                elif url.fragment and target.suffix == ".html" and unquote(url.fragment) not in ids(target):
+                    report.problems.append(f"{name}: link to a missing anchor #{url.fragment} in {shown}")
+            images = page.eval_on_selector_all(
+                "article img", "els => els.map(e => e.complete && e.naturalWidth > 0)")
+            loaded = sum(images)
+            report.plots += loaded
+            if loaded < info.get("plots", 0):
+                report.problems.append(f"{name}: {loaded} plots shown, its notebook has {info['plots']}")
+            if name == "index.html":
+                shot = shots / "site-home.png"
+                page.screenshot(path=str(shot))
+                report.screenshots.append(str(shot))
+            elif shot_notebook is None and info.get("plots"):
+                shot_notebook = shots / "site-notebook.png"
+                page.screenshot(path=str(shot_notebook))
+                report.screenshots.append(str(shot_notebook))
+        browser.close()
+    return report
