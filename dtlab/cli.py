@@ -162,7 +162,8 @@ def _site(args: argparse.Namespace) -> int:
         print(f"dtlab site: {exc}", file=sys.stderr)
         return 2
     print(f"[site] browser check in {time.perf_counter() - start:.0f} s: {report.pages} pages, {report.links} "
-          f"internal links, {report.plots} plots; screenshots {', '.join(report.screenshots)}")
+          f"internal links, {report.plots} plots, {report.search_results} search results for 'dtlab'; "
+          f"screenshots {', '.join(report.screenshots)}")
     for problem in report.problems:
         print(f"[site] PROBLEM {problem}", file=sys.stderr)
     return 0 if report.ok else 1

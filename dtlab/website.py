@@ -179,6 +179,7 @@ html_theme = "sphinx_book_theme"
 html_title = project
 html_theme_options = {"show_toc_level": 2, "use_download_button": False}
 html_context = {"default_mode": "light"}
+html_show_search_summary = False     # summaries fetch each page, which a browser refuses from file://
 html_last_updated_fmt = None
 suppress_warnings = ["myst.header", "mystnb.unknown_mime_type", "toc.not_included", "misc.highlighting_failure"]
 exclude_patterns = ["_build"]
@@ -262,6 +263,7 @@ class Check:
     pages: int = 0
     links: int = 0
     plots: int = 0
+    search_results: int = 0
     problems: list[str] = field(default_factory=list)
     screenshots: list[str] = field(default_factory=list)
 
@@ -275,7 +277,8 @@ def check(site: str | os.PathLike = "site", screenshots: str | os.PathLike | Non
 
     Fails a page on: the page missing, an internal link to a file or anchor that does not exist,
     fewer loaded images than its notebook has plots, a console error or uncaught exception, and
-    any request that is not to a file of the site (the site must work offline). Screenshots of the
+    any request that is not to a file of the site (the site must work offline); and a search that
+    finds nothing. Screenshots of the
     home page and the first notebook page with plots go to ``screenshots`` (default: the run folder).
     """
     from urllib.parse import unquote, urlparse
@@ -347,5 +350,12 @@ def check(site: str | os.PathLike = "site", screenshots: str | os.PathLike | Non
                 shot_notebook = shots / "site-notebook.png"
                 page.screenshot(path=str(shot_notebook))
                 report.screenshots.append(str(shot_notebook))
+        current["name"] = "search.html?q=dtlab"  # the search index answers, from the file system too
+        page.goto((site / "search.html").as_uri() + "?q=dtlab", wait_until="load")
+        try:
+            page.wait_for_selector("ul.search li", timeout=15_000)
+            report.search_results = len(page.query_selector_all("ul.search li"))
+        except Exception:  # playwright's TimeoutError
+            report.problems.append("search.html: searching for 'dtlab' found nothing")
         browser.close()
     return report

@@ -36,6 +36,7 @@ def test_every_page_opens_in_chromium_with_its_plots_and_links(site, run_dir):
     assert report.ok, "\n".join(report.problems)
     assert report.pages == 6  # home, two notebooks, API, search, index
     assert report.plots >= 1 and report.links > 50
+    assert report.search_results >= 3  # home, API, the notebooks that name dtlab
     assert sorted(Path(p).name for p in report.screenshots) == ["site-home.png", "site-notebook.png"]
     for shot in report.screenshots:
         assert Path(shot).parent == run_dir and Path(shot).read_bytes()[:4] == b"\x89PNG"
@@ -81,6 +82,7 @@ def test_the_api_reference_has_every_public_module(site):
 def test_the_check_catches_each_fault(site, tmp_path):
     broken = shutil.copytree(site, tmp_path / "broken")
     (broken / "api.html").unlink()  # a missing page, and every link to it broken
+    (broken / "searchindex.js").write_text("Search.setIndex({})")  # a search that finds nothing
     for png in (broken / "_images").glob("*.png"):  # plots that do not load
         png.unlink()
     home = broken / "index.html"
@@ -94,6 +96,7 @@ def test_the_check_catches_each_fault(site, tmp_path):
     assert "18_choosing_a_strategy.html: 0 plots shown, its notebook has" in text
     assert "requested https://cdn.example.com/x.js" in text
     assert "console error: boom" in text
+    assert "searching for 'dtlab' found nothing" in text
 
 
 def test_bad_input_names_the_fix(tmp_path):
