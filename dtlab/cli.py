@@ -13,9 +13,9 @@
                                                 then every page checked in headless Chromium
 
 Exit codes: 0 success, 1 a notebook failed, a cluster file is invalid or the site check found a
-problem, 2 bad input (unknown
-notebook, malformed -p, a path that does not exist, databricks-bundles not installed, a memory
-question with a non-positive size or an unknown GPU or cluster).
+problem, 2 bad input (unknown notebook, malformed -p, a path that does not exist, databricks-bundles
+not installed, a memory question with a non-positive size or an unknown GPU or cluster, a site with
+no run to publish and no way to run the course).
 """
 
 from __future__ import annotations

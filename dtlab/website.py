@@ -247,11 +247,16 @@ def build(run_dir: str | os.PathLike, out: str | os.PathLike = "site", readme: s
     manifest["index.html"] = {"notebook": None, "status": "ok", "plots": 0}
     manifest["api.html"] = {"notebook": None, "status": "ok", "plots": 0}
 
-    shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-j", "2", *(["-q"] if quiet else []), str(work), str(out)]
+    # Sphinx builds inside `work`: MyST-NB writes a jupyter_execute/ folder beside the HTML folder,
+    # which must not land next to `out` (the repository's root for site/).
+    html = work / "_build" / "html"
+    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-j", "2", *(["-q"] if quiet else []), str(work), str(html)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise SiteError(f"Sphinx failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(html, out)
     (out / MANIFEST).write_text(json.dumps({"run": str(run_dir.resolve()), "pages": manifest}, indent=1))
     return out
 
