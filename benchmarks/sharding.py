@@ -5,7 +5,7 @@
 One launch per repeat trains the same TinyGPT with AdamW under each strategy in turn, in the same
 processes (the order rotates between repeats), and records each strategy's median step time and the
 elements its rank holds (parameters, gradients, optimizer state; DeepSpeed also keeps an fp32 master
-slice). The memory model (dtlab.memory.model_states, fp32) predicts the bytes per rank: 16Ψ for DDP,
+slice). The memory model (dtlab.planner.formulas.model_states, fp32) predicts the bytes per rank: 16Ψ for DDP,
 20Ψ/N for DeepSpeed's ZeRO-3, 16Ψ/N for FSDP. FSDP2 needs torch >= 2.6 and is left out below it.
 """
 
@@ -15,7 +15,7 @@ import statistics
 from dtlab import fsdp2, models
 from dtlab.environment import plan
 from dtlab.launch import run
-from dtlab.memory import model_states
+from dtlab.planner.formulas import model_states
 
 STRATEGIES = ["DDP", "ZeRO-3 (DeepSpeed)", "FSDP2", "scratch FSDP"]
 

@@ -19,13 +19,15 @@ One module per concept; import the one you need:
     dtlab.fsdp2        PyTorch's fully_shard: which torch has it, what a rank holds
     dtlab.dtensor      PyTorch's DTensor names on torch 2.3 and newer; collectives counted, activations saved
     dtlab.pipelining   which torch runs torch.distributed.pipelining, on which backend
-    dtlab.composition  DP x TP x PP x CP layouts on paper (memory, step time); a checked, named device mesh
-    dtlab.advise       which strategy: every one priced for a model on a cluster, ranked (``dtlab advise``)
+    dtlab.composition  a checked, named device mesh for composing parallelism
+    dtlab.planner      will it fit, how fast, which strategy: formulas, cost model, advice (``dtlab advise``),
+                       held to published training runs
+    dtlab.side_by_side DDP, ZeRO-3, FSDP2 and the scratch FSDP trained side by side: step time, bytes on the wire
     dtlab.bandwidth    collective timing, algbw/busbw, memory-copy ceiling
     dtlab.spark        the Databricks Spark session, or a quiet local one
     dtlab.raytrain     Ray for the lessons: a quiet local Ray, data as Parquet, requests checked, strays found
     dtlab.hardware     GPUs, instance types and clusters: memory, FLOP/s, links (one home for these facts)
-    dtlab.memory       memory per GPU for DDP and ZeRO stages, activations; DeepSpeed's estimators; advice
+    dtlab.memory, dtlab.advise  old names of dtlab.planner's parts (kept one release, with a warning)
     dtlab.ds_config    build and validate DeepSpeed configs
     dtlab.precision    number formats; a DDP compression hook that counts its bytes
     dtlab.speedup      the speed-up model (compute vs all-reduce) and its measurement
@@ -47,7 +49,7 @@ __version__ = "0.1.0"
 MODULES = ("environment", "distributed", "models", "data", "checkpoint", "resumable", "faults", "tracking",
            "measure", "live", "launch", "parallel", "bandwidth", "spark", "memory", "ds_config", "precision",
            "speedup", "clusters", "notebook", "course", "hardware", "jobs", "cli", "fsdp2", "sharded_checkpoint",
-           "dtensor", "pipelining", "composition", "raytrain", "advise")
+           "dtensor", "pipelining", "composition", "raytrain", "advise", "planner", "side_by_side")
 
 
 def __getattr__(name: str):

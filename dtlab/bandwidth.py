@@ -27,22 +27,14 @@ import torch
 import torch.distributed as dist
 
 from dtlab import _compat  # noqa: F401  (work-arounds for the runtime's torch and DeepSpeed)
-
-#: busbw / algbw for each collective on N ranks.
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-}
+from dtlab.planner.formulas import ring_factor
 
 
 def bus_bandwidth(op: str, world_size: int, algbw: float) -> float:
-    """busbw from algbw for collective ``op`` on ``world_size`` ranks (same unit as ``algbw``)."""
-    if op not in BUS_FACTOR:
-        raise ValueError(f"unknown collective {op!r}; known: {', '.join(BUS_FACTOR)}")
-    return algbw * BUS_FACTOR[op](world_size)
+    """busbw from algbw for collective ``op`` on ``world_size`` ranks (same unit as ``algbw``): algbw times
+    ``dtlab.planner.formulas.ring_factor`` (2(N-1)/N for all-reduce, (N-1)/N for all-gather, reduce-scatter and
+    all-to-all, 1 for broadcast)."""
+    return algbw * ring_factor(world_size, op)
 
 
 def _sync(device: torch.device) -> None:

@@ -1,9 +1,11 @@
 """The ``dtlab`` command line.
 
     dtlab env [--json]                          what this machine has, and the course's plan for it
-    dtlab memory --params 7e9 [--cluster "g5.12xlarge x4"] [--recompute full] [...]
-                                                memory per GPU (model states + activations) for DDP
-                                                and ZeRO 1-3, what fits and why (dtlab memory -h)
+    dtlab advise --params 7e9 [--cluster "g5.12xlarge x4"] [--recompute full] [...]
+                                                memory per GPU and step time of every strategy
+                                                (DDP, ZeRO, FSDP, offload, TP x PP x DP), the fastest
+                                                that fits and why (dtlab advise -h); dtlab memory is
+                                                its old name (data parallelism only)
     dtlab course list                           the notebooks, in order, with their parameters
     dtlab course run [NOTEBOOK ...] [-p name=value ...] [--ci] [--solutions] [--runs DIR]
                                                 run notebooks headless into runs/<timestamp>/
@@ -14,7 +16,7 @@
 
 Exit codes: 0 success, 1 a notebook failed, a cluster file is invalid or the site check found a
 problem, 2 bad input (unknown notebook, malformed -p, a path that does not exist, databricks-bundles
-not installed, a memory question with a non-positive size or an unknown GPU or cluster, a site with
+not installed, a planning question with a non-positive size or an unknown GPU or cluster, a site with
 no run to publish and no way to run the course).
 """
 
@@ -35,50 +37,45 @@ def _env(args: argparse.Namespace) -> int:
     return 0
 
 
-def _memory(args: argparse.Namespace) -> int:
-    from dtlab import memory
+def _memory(rest: list[str]) -> int:
+    """``dtlab memory`` was a second planner; it is now a view of ``dtlab advise`` (data parallelism only)."""
+    renamed = {"--cpu-mem-gb-per-gpu": "--host-mem-gb-per-gpu"}
+    argv = [renamed.get(a.split("=")[0], a.split("=")[0]) + (f"={a.split('=', 1)[1]}" if "=" in a else "")
+            for a in rest]
+    print("dtlab memory is now `dtlab advise --data-parallel-only` (one planner, one set of flags; "
+          "--cpu-mem-gb-per-gpu is --host-mem-gb-per-gpu)", file=sys.stderr)
+    return main(["advise", "--data-parallel-only", *argv])
 
-    shape = [args.layers, args.hidden, args.heads]
-    computed = [args.micro_batch, args.seq_len, args.recompute, *shape]
-    try:
-        if any(v is not None for v in shape) and None in shape:
-            raise ValueError("--layers, --hidden and --heads go together. Fix: give all three, or none (the shape "
-                             "then comes from --params)")
-        if args.activations_gb is not None and any(v is not None for v in computed):
-            raise ValueError("--activations-gb replaces the activations computed from --micro-batch, --seq-len, "
-                             "--recompute and the shape. Fix: give either --activations-gb or those options")
-        options = dict(cluster=args.cluster, gpu=args.gpu, cpu_gb_per_gpu=args.cpu_mem_gb_per_gpu,
-                       headroom=args.headroom, shape=None if None in shape else tuple(shape),
-                       micro_batch=memory.MICRO_BATCH if args.micro_batch is None else args.micro_batch,
-                       seq_len=memory.SEQ_LEN if args.seq_len is None else args.seq_len,
-                       recompute=args.recompute or "none",
-                       activations=None if args.activations_gb is None else args.activations_gb * memory.GB)
-        print(memory.format_table(args.params, args.gpus, args.gpu_mem_gb, **options))
-    except ValueError as exc:  # also dtlab.hardware.UnknownHardware
-        print(f"dtlab memory: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+def _parse_layout(text: str) -> dict:
+    """``"dp=4,tp=4,pp=1,zero=1"`` as a dict, or ValueError naming the fix."""
+    layout = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if key not in ("dp", "tp", "pp", "cp", "zero", "virtual") or not value.isdigit():
+            raise ValueError(f"--layout {text!r}: write it as dp=4,tp=4,pp=1 (keys dp, tp, pp, cp, zero, virtual)")
+        layout[key] = int(value)
+    return layout
 
 
 def _advise(args: argparse.Namespace) -> int:
-    from dtlab import advise
+    from dtlab.planner import advise
 
     try:
-        layout = None
-        if args.layout:
-            layout = {}
-            for part in args.layout.split(","):
-                key, _, value = part.partition("=")
-                if key.strip() not in ("dp", "tp", "pp", "cp") or not value.strip().isdigit():
-                    raise ValueError(f"--layout {args.layout!r}: write it as dp=4,tp=4,pp=1")
-                layout[key.strip()] = int(value)
+        if args.mfu is not None:
+            raise ValueError("--mfu is now --efficiency: the fraction of peak FLOP/s the GPU's kernels reach while "
+                             "computing; MFU is what the advisor reports. Fix: --efficiency "
+                             f"{args.mfu:g}")
         result = advise.advise(args.params, n_layer=args.layers, n_embd=args.hidden, n_head=args.heads,
-                               vocab=args.vocab, cluster=args.cluster, gpus=args.gpus, gpu_mem_gb=args.gpu_mem_gb,
-                               gpus_per_node=args.gpus_per_node, tflops=args.tflops,
-                               intra_node_gbs=args.intra_node_gbs, inter_node_gbs=args.inter_node_gbs,
-                               host_memory_gb_per_gpu=args.host_mem_gb_per_gpu, micro_batch=args.micro_batch,
-                               seq_len=args.seq_len, global_batch=args.global_batch, precision=args.precision,
-                               optimizer=args.optimizer, recompute=args.recompute, mfu=args.mfu, layout=layout,
+                               n_kv_head=args.kv_heads, vocab=args.vocab, cluster=args.cluster, gpus=args.gpus,
+                               gpu=args.gpu, gpu_mem_gb=args.gpu_mem_gb, gpus_per_node=args.gpus_per_node,
+                               tflops=args.tflops, intra_node_gbs=args.intra_node_gbs,
+                               inter_node_gbs=args.inter_node_gbs, host_memory_gb_per_gpu=args.host_mem_gb_per_gpu,
+                               micro_batch=args.micro_batch, seq_len=args.seq_len, global_batch=args.global_batch,
+                               precision=args.precision, optimizer=args.optimizer, recompute=args.recompute,
+                               efficiency=args.efficiency, headroom=args.headroom,
+                               layout=_parse_layout(args.layout) if args.layout else None,
                                layouts=not args.data_parallel_only)
     except ValueError as exc:  # also dtlab.hardware.UnknownHardware
         print(f"dtlab advise: {exc}", file=sys.stderr)
@@ -88,26 +85,33 @@ def _advise(args: argparse.Namespace) -> int:
 
 
 def _advise_parser(sub) -> argparse.ArgumentParser:
-    from dtlab import hardware, memory
+    from dtlab import hardware
+    from dtlab.planner import cost, formulas
 
+    shapes = ", ".join(f"{s.name} = {s.n_layer}/{s.n_embd}/{s.n_head}" for s in formulas.KNOWN_SHAPES.values())
     adv = sub.add_parser(
         "advise", help="which strategy for a model on a cluster: memory per GPU and step time of each, ranked",
         description="Memory per GPU (parameters, gradients, optimizer state, activations) and step time (compute, "
-                    "communication, bubble, offload) of DDP, ZeRO 1-3, FSDP, offloading and TP x PP x DP layouts, "
+                    "communication, bubble, offload) of DDP, ZeRO 1-3 / FSDP, offloading and TP x PP x DP layouts, "
                     "and the fastest that fits. GB = 10^9 bytes. Exit 2 on bad input.")
     adv.add_argument("--params", type=_number(float, 0, low_ok=False, example="7e9"), default=None,
-                     help="model parameters, e.g. 7e9 (or give --layers, --hidden, --heads)")
+                     help="model parameters, e.g. 7e9 (or give --layers, --hidden, --heads). With --params alone the "
+                          f"shape is a published one within 1.25x ({shapes} layers/hidden/heads) or follows the "
+                          "published families (128-wide heads)")
     adv.add_argument("--layers", type=_number(int, 1, example="32"), default=None, help="the model's layers")
     adv.add_argument("--hidden", type=_number(int, 1, example="4096"), default=None, help="the model's hidden size")
     adv.add_argument("--heads", type=_number(int, 1, example="32"), default=None, help="attention heads")
+    adv.add_argument("--kv-heads", type=_number(int, 1, example="8"), default=None,
+                     help="key/value heads (grouped-query attention; default: --heads)")
     adv.add_argument("--vocab", type=_number(int, 1, example="32000"), default=None,
                      help="vocabulary size (adds the embedding to the parameters derived from the shape)")
     adv.add_argument("--cluster", default=None,
                      help=f"a cluster from dtlab.hardware: {', '.join(hardware.CLUSTERS)}, or '<node type> xN' with "
                           f"a node type from {', '.join(hardware.NODE_TYPES)} (default: {hardware.DEFAULT_CLUSTER}, "
-                          "unless --gpus and --gpu-mem-gb describe one)")
+                          "unless --gpus with --gpu or --gpu-mem-gb describe one)")
     adv.add_argument("--gpus", type=_number(int, 1, example="64"), default=None, help="GPUs of a cluster described "
-                     "by hand (with --gpu-mem-gb)")
+                     "by hand (with --gpu or --gpu-mem-gb)")
+    adv.add_argument("--gpu", default=None, help=f"a GPU type for --gpus: {', '.join(hardware.GPUS)}")
     adv.add_argument("--gpu-mem-gb", type=_number(float, 0, low_ok=False, example="32"), default=None,
                      help="memory per GPU in GB (a cluster described by hand)")
     adv.add_argument("--gpus-per-node", type=_number(int, 1, example="8"), default=None, help="default 8")
@@ -115,21 +119,28 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
                      help="peak dense 16-bit TFLOP/s per GPU (without it no step time is computed)")
     adv.add_argument("--intra-node-gbs", type=_number(float, 0, example="150"), default=None,
                      help="GPU-to-GPU GB/s inside a node")
-    adv.add_argument("--inter-node-gbs", type=_number(float, 0, example="12.5"), default=None,
-                     help="GB/s between nodes")
+    adv.add_argument("--inter-node-gbs", type=_number(float, 0, example="50"), default=None,
+                     help="a node's network in GB/s (all its NICs together; 400 Gbps = 50)")
     adv.add_argument("--host-mem-gb-per-gpu", type=_number(float, 0, example="48"), default=None,
                      help="CPU memory per GPU in GB, for offloading")
+    adv.add_argument("--headroom", type=_number(float, 0, 1, example=str(formulas.HEADROOM)),
+                     default=formulas.HEADROOM, help="share of GPU and host memory left free for the CUDA context, "
+                     f"buffers, fragmentation (default {formulas.HEADROOM})")
     adv.add_argument("--micro-batch", type=_number(int, 1), default=1, help="sequences per GPU per micro-step")
     adv.add_argument("--seq-len", type=_number(int, 1, example="2048"), default=2048, help="tokens per sequence")
     adv.add_argument("--global-batch", type=_number(int, 1, example="512"), default=None,
                      help="sequences per optimizer step (default: >= 512, a multiple of micro-batch x GPUs)")
     adv.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     adv.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    adv.add_argument("--recompute", choices=memory.RECOMPUTE, default="selective",
-                     help="activation recomputation (default selective)")
-    adv.add_argument("--mfu", type=_number(float, 0, 1, low_ok=False, example="0.4"), default=0.4,
-                     help="fraction of peak FLOP/s training reaches (default 0.4)")
-    adv.add_argument("--layout", default=None, help="price one layout only, e.g. dp=4,tp=4,pp=1")
+    adv.add_argument("--recompute", choices=formulas.RECOMPUTE, default="selective",
+                     help="activation recomputation (default selective); full costs one more forward pass")
+    adv.add_argument("--efficiency", type=_number(float, 0, 1.000001, low_ok=False,
+                                                  example=str(cost.DEFAULT_EFFICIENCY)),
+                     default=None, help="fraction of peak FLOP/s the GPU's kernels reach while computing (default: "
+                     f"fitted to published runs, {', '.join(f'{k} {v}' for k, v in cost.EFFICIENCY.items())}, other "
+                     f"GPUs {cost.DEFAULT_EFFICIENCY}); MFU is reported, not assumed")
+    adv.add_argument("--mfu", type=float, default=None, help=argparse.SUPPRESS)
+    adv.add_argument("--layout", default=None, help="price one layout only, e.g. dp=4,tp=4,pp=1,zero=1")
     adv.add_argument("--data-parallel-only", action="store_true", help="leave out TP x PP x DP layouts")
     adv.add_argument("--json", action="store_true", help="print everything as JSON (bytes, seconds)")
     return adv
@@ -236,52 +247,6 @@ def _number(kind: type, low: float, high: float = math.inf, low_ok: bool = True,
     return parse
 
 
-def _memory_parser(sub) -> argparse.ArgumentParser:
-    from dtlab import hardware, memory
-
-    shapes = ", ".join(f"{s.name} = {s.n_layer}/{s.n_embd}/{s.n_head}" for s in memory.KNOWN_SHAPES.values())
-    mem = sub.add_parser(
-        "memory", help="per-GPU memory (model states + activations) of DDP and ZeRO stages: what fits, and why",
-        description="Memory per GPU of DDP, ZeRO 1-3 and offloading for a model on a cluster, with activations, "
-                    "in GB = 10^9 bytes; which strategy fits, and why. Exit 2 on bad input.")
-    mem.add_argument("--params", type=_number(float, 0, low_ok=False, example="7e9"), required=True,
-                     help="model parameters, e.g. 7e9 (required)")
-    mem.add_argument("--gpus", type=_number(int, 1, example="16"), default=None,
-                     help="data-parallel GPUs (default: the cluster's: 4 for g5.12xlarge, 16 for 'g5.12xlarge x4')")
-    mem.add_argument("--cluster", default=hardware.DEFAULT_CLUSTER,
-                     help=f"cluster from dtlab.hardware: {', '.join(hardware.CLUSTERS)}, or '<node type> xN' with a "
-                          f"node type from {', '.join(hardware.NODE_TYPES)}. Sets the GPU, its memory, the CPU "
-                          f"memory per GPU and the default --gpus (default: {hardware.DEFAULT_CLUSTER})")
-    mem.add_argument("--gpu", default=None, help=f"GPU type instead of the cluster's: {', '.join(hardware.GPUS)}")
-    mem.add_argument("--gpu-mem-gb", type=_number(float, 0, low_ok=False, example="24"), default=None,
-                     help="memory per GPU in GB, overriding the GPU's own (default: the GPU's as nvidia-smi reports "
-                          "it, e.g. A10G 24.15 GB = 23,028 MiB)")
-    mem.add_argument("--cpu-mem-gb-per-gpu", type=_number(float, 0, example="48"), default=None,
-                     help="CPU memory per GPU in GB for offloading (default: the cluster node's memory / its GPUs, "
-                          "e.g. g5.12xlarge 192 GiB / 4 = 51.5 GB)")
-    mem.add_argument("--headroom", type=_number(float, 0, 1, example=str(memory.HEADROOM)), default=memory.HEADROOM,
-                     help=f"share of memory left free for the CUDA context, buffers, fragmentation "
-                          f"(default {memory.HEADROOM})")
-    mem.add_argument("--micro-batch", type=_number(int, 1), default=None,
-                     help=f"sequences per GPU per step, for the activations (default {memory.MICRO_BATCH})")
-    mem.add_argument("--seq-len", type=_number(int, 1, example="2048"), default=None,
-                     help=f"tokens per sequence, for the activations (default {memory.SEQ_LEN})")
-    mem.add_argument("--recompute", choices=memory.RECOMPUTE, default=None,
-                     help="activation recomputation: none keeps everything, selective recomputes attention, full "
-                          "keeps only each layer's input (default none)")
-    mem.add_argument("--layers", type=_number(int, 1, example="32"), default=None,
-                     help="the model's layers, with --hidden and --heads (default: from --params, a known shape within "
-                          f"1.25x: {shapes} layers/hidden/heads; else derived with hidden = 128 x layers)")
-    mem.add_argument("--hidden", type=_number(int, 1, example="4096"), default=None,
-                     help="the model's hidden size (with --layers and --heads)")
-    mem.add_argument("--heads", type=_number(int, 1, example="32"), default=None,
-                     help="the model's attention heads (with --layers and --hidden)")
-    mem.add_argument("--activations-gb", type=_number(float, 0, example="0"), default=None,
-                     help="activation GB per GPU instead of computing them; 0 = model states only (the ZeRO paper's "
-                          "table)")
-    return mem
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtlab", description="Helpers for the distributed-training course.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -290,8 +255,7 @@ def parser() -> argparse.ArgumentParser:
     env.add_argument("--json", action="store_true", help="print the report as JSON")
     env.set_defaults(func=_env)
 
-    mem = _memory_parser(sub)
-    mem.set_defaults(func=_memory)
+    sub.add_parser("memory", help="the old name of dtlab advise --data-parallel-only")
 
     adv = _advise_parser(sub)
     adv.set_defaults(func=_advise)
@@ -328,6 +292,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["memory"]:
+        return _memory(argv[1:])
     args = parser().parse_args(argv)
     return args.func(args)
 

@@ -1,119 +1,34 @@
-"""Composing data, tensor, pipeline and context parallelism on paper: what each GPU holds and sends.
+"""A named, checked DeviceMesh for composing parallelism (notebook 16); the layout model moved to the planner.
 
-A layout ``DP x TP x PP x CP`` puts ``dp * tp * pp * cp`` GPUs to work on one model. Ranks are
-numbered with TP fastest, then CP, PP and DP (as Megatron-LM does), so a dimension's groups stay
-inside a node when it and the dimensions inside it fit in one node's GPUs.
+``device_mesh("cpu", dp=2, tp=2)`` builds a mesh whose dimensions have names, refusing degrees that do
+not multiply to the world size before any collective runs; ``submesh(mesh, "tp")`` names the fix for a
+dimension the mesh does not have.
 
-Per GPU and step, with Ψ parameters, ``L`` layers of width ``h``, micro-batch ``b``, sequence ``s``
-and ``M = global_batch / (dp * b)`` micro-batches per step (16-bit values, Adam in mixed precision):
-
-* model states: ``dtlab.memory.model_states(Ψ / (tp * pp), dp, zero)`` (ZeRO stage 0-3 over DP);
-* activations: ``dtlab.memory.activation_bytes(b, s / cp, L, ...) / tp`` — 1F1B's first stage
-  holds P micro-batches of L/P layers, L layers' worth whatever P (sequence parallelism assumed);
-* TP: 4 all-reduces per layer and micro-batch of ``b·(s/cp)·h`` values, on the critical path;
-* CP: keys and values (``2·b·(s/cp)·h``) passed ``cp - 1`` times per layer forward, twice that backward;
-* PP: one activation forward and one gradient backward per micro-batch (``b·(s/cp)·h`` each);
-* DP: the gradients of this GPU's Ψ/(tp·pp) parameters all-reduced (ZeRO-3: 1.5x that), overlapped
-  with the backward pass.
-
-Each transfer is priced at the bandwidth of the slowest link its group crosses (inside a node or
-the network, from ``dtlab.hardware``), compute at a fraction ``mfu`` of the GPU's bf16 peak, and the
-pipeline bubble adds (P-1)/(M+P-1). It is a planning model, not a measurement: it leaves out
-latencies, overlap of TP and CP with compute, and the embedding's and head's extra work.
+What a ``DP x TP x PP x CP`` layout holds and sends on paper (``Layout``, ``cost``, ``inside_node``) is
+now ``dtlab.planner.cost``; the old names keep working for one release with a DeprecationWarning.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
 
-from dtlab import hardware, memory
+from dtlab._moved import forward
 
-
-@dataclass(frozen=True)
-class Layout:
-    """Degrees of each kind of parallelism; ``zero`` is the ZeRO stage used over the DP dimension."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    zero: int = 1
-
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    def __str__(self) -> str:
-        parts = [f"{name.upper()}{getattr(self, name)}" for name in ("dp", "tp", "pp", "cp") if getattr(self, name) > 1]
-        return " x ".join(parts or ["1 GPU"]) + (f" (ZeRO-{self.zero})" if self.dp > 1 else "")
+__getattr__ = forward("dtlab.composition", "dtlab.planner.cost",
+                      gone={"memory_per_gpu": "it is dtlab.planner.cost.memory(num_params, shape, layout, setup)"})
 
 
-def inside_node(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
-    """For each dimension, whether its groups stay inside one node (ranks numbered TP, CP, PP, DP fastest first)."""
-    span, out = 1, {}
-    for name in ("tp", "cp", "pp", "dp"):
-        degree = getattr(layout, name)
-        span *= degree
-        out[name] = degree == 1 or span <= gpus_per_node
-    return out
+def cost(num_params, layout, cluster, global_batch=512, micro_batch=1, seq_len=2048, recompute="selective",
+              mfu=None, shape=None, precision="bf16"):
+    """The old ``composition.cost(..., global_batch=, micro_batch=, mfu=)``: now ``dtlab.planner.cost.cost`` with
+    a ``Setup`` (``mfu`` is now ``efficiency``: the fraction of peak while computing)."""
+    from dtlab.planner import cost
 
-
-def memory_per_gpu(num_params: float, layout: Layout, shape: memory.ModelShape, micro_batch: int = 1,
-                   seq_len: int = 2048, recompute: str = "selective", precision: str = "bf16") -> dict[str, float]:
-    """Bytes per GPU of ``layout``: ``params``, ``grads``, ``optimizer`` (ZeRO over DP) and ``activations`` (/ TP)."""
-    states = memory.model_states(num_params / (layout.tp * layout.pp), layout.dp, layout.zero,
-                                 "fp32" if precision == "fp32" else "mixed")
-    activations = memory.activation_bytes(micro_batch, seq_len // layout.cp, shape.n_layer, shape.n_embd,
-                                          shape.n_head, 4 if precision == "fp32" else 2,
-                                          recompute=recompute) / layout.tp
-    return {"params": states.params, "grads": states.grads, "optimizer": states.optimizer, "activations": activations}
-
-
-def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, global_batch: int = 512,
-         micro_batch: int = 1, seq_len: int = 2048, recompute: str = "selective", mfu: float = 0.4,
-         shape: memory.ModelShape | None = None, precision: str = "bf16") -> dict:
-    """Memory per GPU (bytes, by part) and step time (seconds, by part) of ``layout`` on ``cluster``.
-
-    ``shape`` defaults to ``memory.model_shape(num_params)``; ``precision`` is the compute format
-    ("bf16", "fp16": 16-bit values and mixed-precision Adam; "fp32": 4-byte values throughout).
-    Raises ``ValueError`` when the layout needs more GPUs than the cluster has, or the batch, the
-    layers, the heads or the sequence do not divide by the degrees (the message names the fix).
-    """
-    c = hardware.cluster(cluster)
-    shape = shape or memory.model_shape(num_params)
-    value_bytes = 4 if precision == "fp32" else 2                    # bytes per activation / gradient value
-    if layout.gpus > c.gpus:
-        raise ValueError(f"{layout} needs {layout.gpus} GPUs; {c.name} has {c.gpus}. Fix: smaller degrees")
-    for what, value, by in (("global_batch", global_batch, layout.dp * micro_batch),
-                            ("layers", shape.n_layer, layout.pp), ("heads", shape.n_head, layout.tp),
-                            ("seq_len", seq_len, layout.cp)):
-        if value % by:
-            raise ValueError(f"{what}={value} does not divide by {by} for {layout}. Fix: degrees that divide it")
-    mem = memory_per_gpu(num_params, layout, shape, micro_batch, seq_len, recompute, precision)
-    mem["total"] = sum(mem.values())
-
-    local = inside_node(layout, c.node.gpus)
-    bandwidth = {name: (c.node.intra_node_gbs if inside and c.node.intra_node_gbs else c.inter_node_gbs) * 1e9
-                 for name, inside in local.items()}
-    m = global_batch // (layout.dp * micro_batch)
-    layers = shape.n_layer // layout.pp
-    tokens = micro_batch * seq_len // layout.cp                      # per micro-batch, per GPU
-    ring = lambda n: 2 * (n - 1) / n                                  # noqa: E731
-    sent = {"tp": m * layers * 4 * ring(layout.tp) * tokens * shape.n_embd * value_bytes,
-            "cp": m * layers * 3 * (layout.cp - 1) * 2 * tokens * shape.n_embd * value_bytes,
-            "pp": (2 * m * tokens * shape.n_embd * value_bytes) if layout.pp > 1 else 0.0,
-            "dp": (1.5 if layout.zero == 3 else 1.0) * ring(layout.dp) * value_bytes * num_params
-            / (layout.tp * layout.pp)}
-    seconds = {name: sent[name] / bandwidth[name] if sent[name] else 0.0 for name in sent}
-    compute = 6 * num_params * global_batch * seq_len / (layout.gpus * mfu * c.gpu.peak_flops(precision))
-    exposed_dp = max(0.0, seconds["dp"] - 2 / 3 * compute)             # overlapped with the backward pass
-    busy = compute + seconds["tp"] + seconds["cp"] + seconds["pp"] + exposed_dp
-    bubble = (layout.pp - 1) / (m + layout.pp - 1)
-    step = busy / (1 - bubble)
-    return {"layout": str(layout), "memory": mem, "fits": mem["total"] <= c.gpu.memory_bytes * (1 - memory.HEADROOM),
-            "inside_node": local, "bytes_sent": sent, "comm_seconds": seconds, "compute_seconds": compute,
-            "exposed_dp_seconds": exposed_dp, "bubble": bubble, "step_seconds": step,
-            "tokens_per_second": global_batch * seq_len / step}
+    warnings.warn("dtlab.composition.cost moved to dtlab.planner.cost.cost(num_params, layout, cluster, "
+                  "cost.Setup(global_batch, micro_batch, seq_len, recompute, precision, efficiency), shape); "
+                  "dtlab.composition will be removed in the next release", DeprecationWarning, stacklevel=2)
+    setup = cost.Setup(global_batch, micro_batch, seq_len, recompute, precision, mfu)
+    return cost.cost(num_params, layout, cluster, setup, shape)
 
 
 def device_mesh(device_type: str, **dims: int):

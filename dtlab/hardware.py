@@ -217,7 +217,7 @@ class Cluster:
 
 def custom_cluster(gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = None, tflops: float = 0.0,
                    bf16: bool = True, intra_node_gbs: float = 0.0, inter_node_gbs: float = 0.0,
-                   host_memory_gb_per_gpu: float = 0.0) -> Cluster:
+                   host_memory_gb_per_gpu: float = 0.0, gpu_name: str | None = None) -> Cluster:
     """A cluster described by its numbers rather than its name (for GPUs and instances the course does not list).
 
     Args:
@@ -227,8 +227,11 @@ def custom_cluster(gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = 
         tflops: peak dense 16-bit TFLOP/s per GPU; 0 when unknown (no step time can then be computed;
             nor for fp32, whose peak is not asked for).
         bf16: whether the GPU has bf16 tensor cores.
-        intra_node_gbs, inter_node_gbs: GPU-to-GPU GB/s inside a node and between nodes; 0 when unknown.
+        intra_node_gbs: GPU-to-GPU GB/s inside a node (per GPU, one direction); 0 when unknown.
+        inter_node_gbs: a node's network in GB/s (all its NICs together, one direction); 0 when unknown.
         host_memory_gb_per_gpu: CPU memory per GPU in GB (for offloading); 0 when unknown.
+        gpu_name: what to call the GPU (default: its memory, "80 GB GPU"); a name starting with a known GPU's
+            ("A100 80GB") lets the planner use what it knows of that GPU (its measured efficiency).
 
     Raises:
         ValueError: for sizes below 1, or GPUs that do not fill whole nodes (the message names the fix).
@@ -240,7 +243,7 @@ def custom_cluster(gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = 
     if gpus % per_node:
         raise ValueError(f"{gpus} GPUs do not fill whole nodes of {per_node}. Fix: a multiple of {per_node} GPUs, "
                          "or another gpus_per_node")
-    gpu_spec = GPU(f"{gpu_memory_gb:g} GB GPU", int(gpu_memory_gb * GB), round(gpu_memory_gb), bf16,
+    gpu_spec = GPU(gpu_name or f"{gpu_memory_gb:g} GB GPU", int(gpu_memory_gb * GB), round(gpu_memory_gb), bf16,
                    tflops, tflops if bf16 else 0.0, 0.0)              # fp32 peak: unknown
     node_spec = NodeType(f"{per_node} x {gpu_spec.name}", per_node, gpu_spec, 0,
                          host_memory_gb_per_gpu * per_node * GB / GiB, inter_node_gbs * 8,

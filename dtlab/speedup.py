@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtlab.planner.formulas import ring_factor
+
 
 def allreduce_seconds(nbytes: float, n: int, bandwidth: float, latency: float = 0.0) -> float:
     """Ring all-reduce time for ``nbytes`` on ``n`` processes (bandwidth in bytes/s, latency in s)."""
@@ -38,7 +40,7 @@ def allreduce_seconds(nbytes: float, n: int, bandwidth: float, latency: float = 
         raise ValueError("need n >= 1, bandwidth > 0, nbytes >= 0 and latency >= 0")
     if n == 1:
         return 0.0
-    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+    return ring_factor(n) * nbytes / bandwidth + 2 * (n - 1) * latency
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,17 @@
-"""`dtlab advise`: the advisor against the ZeRO paper, DeepSpeed's estimators and the Megatron formulas.
+"""`dtlab advise`: the advisor against the ZeRO paper, DeepSpeed's estimators, the Megatron formulas and a measured
+FSDP; every layout priced or skipped with its reason, bad input refused with the fix, and the old `dtlab memory`.
 
-Every figure the advisor prints comes from `dtlab.memory` and `dtlab.composition`; these tests hold the
-joined-up result to published numbers and to DeepSpeed's own code, and check that bad input is refused
-with the fix and that nothing is recommended that was not computed.
+Every figure the advisor prints comes from `dtlab.planner.formulas` and `dtlab.planner.cost`; its step times are
+held to published runs in tests/test_published_runs.py.
 """
 
 import json
 
 import pytest
 
-from dtlab import advise, cli, hardware, memory
+from dtlab import cli, hardware
+from dtlab.planner import advise, formulas
+from dtlab.planner import formulas as memory
 
 GB = 1e9
 
@@ -49,13 +51,14 @@ def test_activations_follow_the_megatron_formulas_with_tensor_parallelism():
     """Korthikanti et al. (2022), Table 2, with tensor and sequence parallelism (t): s*b*h*L*(34/t + 5*a*s/(h*t))
     without recomputation and 34*s*b*h*L/t with selective recomputation (plus one layer's scores at the peak)."""
     L, h, a, s, b, t = 32, 4096, 32, 2048, 2, 4
+    gpt = formulas.ModelShape("GPT", L, h, a, dropout=True)                 # the paper's layer: GPT, with dropout
     for recompute, expected in (("none", s * b * h * L * (34 / t + 5 * a * s / (h * t))),
                                 ("selective", 34 * s * b * h * L / t + 5 * a * s * s * b / t)):
-        adv = advise.advise(n_layer=L, n_embd=h, n_head=a, cluster="g5.12xlarge x4", micro_batch=b, seq_len=s,
-                            recompute=recompute, layout={"dp": 4, "tp": 4})
+        common = dict(shape=gpt, cluster="g5.12xlarge x4", micro_batch=b, seq_len=s, recompute=recompute,
+                      flash_attention=False, global_batch=32)
+        adv = advise.advise(layout={"dp": 4, "tp": 4}, **common)
         assert adv.rows[0]["memory_bytes"]["activations"] == pytest.approx(expected, rel=1e-12)
-        ddp = advise.advise(n_layer=L, n_embd=h, n_head=a, cluster="g5.12xlarge x4", micro_batch=b, seq_len=s,
-                            recompute=recompute, layouts=False).row("DDP")
+        ddp = advise.advise(layouts=False, **common).row("DDP")
         assert ddp["memory_bytes"]["activations"] == pytest.approx(expected * t, rel=1e-12)   # t = 1
 
 
@@ -64,14 +67,36 @@ def test_the_shape_gives_the_parameters():
     assert a.model["params"] == 12 * 32 * 4096**2 + 32000 * 4096
 
 
+def test_the_issues_probe_prices_what_can_take_the_batch_and_skips_the_rest_with_the_reason():
+    # 70B on 96 A100 80GB (12 nodes), 1,000 sequences per step: DP over 96 cannot take it; 3-D layouts can.
+    a = advise.advise(70e9, gpus=96, gpu_mem_gb=80, gpus_per_node=8, tflops=312, intra_node_gbs=300,
+                      inter_node_gbs=50, global_batch=1000)
+    ddp = a.row("DDP")
+    assert ddp["skipped"] and "1000" in ddp["skipped"] and "Fix" in ddp["skipped"]
+    assert a.recommendation is not None and a.row(a.recommendation["strategy"])["layout"]["tp"] > 1
+    assert "skipped" in a.table()
+
+
+def test_a_batch_nothing_can_take_gives_an_empty_result_that_names_the_fix():
+    a = advise.advise(7e9, cluster="g5.12xlarge x4", global_batch=999, micro_batch=2)   # odd: no DP x 2 divides it
+    assert a.recommendation is None and not a.priced
+    assert "no layout can run" in a.table() and "Fix: a global batch" in a.table()
+
+
+def test_every_tp_degree_that_divides_the_heads_inside_a_node_is_considered():
+    a = advise.advise(530e9, cluster="p4d.24xlarge x64", global_batch=2048, recompute="full")
+    tps = {r["layout"]["tp"] for r in a.priced}
+    assert {1, 2, 4, 8} <= tps, "the 530B shape's heads take TP 8 (they used to be 139)"
+
+
 def test_a_7b_model_on_the_four_g5_nodes_is_timed_and_the_recommendation_is_the_fastest_that_fits():
     a = advise.advise(7e9, cluster="g5.12xlarge x4")
     assert a.timed and a.cluster["gpus"] == 16
-    fitting = [r for r in a.rows if r["fits"]]
+    fitting = [r for r in a.priced if r["fits"]]
     assert not a.row("DDP")["fits"] and a.row("ZeRO-3")["fits"]
     best = max(r["tokens_per_second"] for r in fitting)
     assert a.recommendation["tokens_per_second"] == best
-    for r in a.rows:                                  # every part adds up, and the clock is the sum of its parts
+    for r in a.priced:                                # every part adds up, and the clock is the sum of its parts
         mem, step = r["memory_bytes"], r["step_seconds"]
         assert mem["total"] == pytest.approx(sum(v for k, v in mem.items() if k != "total"))
         assert step["total"] == pytest.approx(step["compute"] + step["comm_exposed"] + step["bubble"] + step["offload"])
@@ -88,6 +113,13 @@ def test_nothing_is_recommended_when_nothing_fits():
     a = advise.advise(70e9, cluster="g5.12xlarge", recompute="none")
     assert not any(r["fits"] for r in a.rows) and a.recommendation is None
     assert "nothing fits" in a.table() and "Fix:" in a.table()
+
+
+def test_a_cluster_without_speeds_is_ranked_by_memory_and_says_so():
+    a = advise.advise(7e9, gpus=16, gpu_mem_gb=80, layouts=False)
+    assert not a.timed and all(r["step_seconds"] is None for r in a.priced)
+    assert a.recommendation["strategy"] == "ZeRO-1"     # DDP holds 112 GB: the first that fits, least traffic first
+    assert "step time not computed" in a.recommendation["reason"]
 
 
 def test_offload_to_a_host_of_unknown_size_is_neither_yes_nor_no():
@@ -107,6 +139,9 @@ def test_offload_to_a_host_of_unknown_size_is_neither_yes_nor_no():
     ({"params": 7e9, "cluster": "g4dn.12xlarge"}, ValueError, "no bf16. Fix: precision='fp16'"),
     ({"params": 7e9, "precision": "fp8"}, ValueError, "precision='fp8'"),
     ({"params": 7e9, "gpus": 12, "gpu_mem_gb": 80, "gpus_per_node": 8}, ValueError, "whole nodes"),
+    ({"params": 7e9, "micro_batch": 8, "global_batch": 4}, ValueError, "larger than global_batch=4. Fix"),
+    ({"params": 7e9, "gpus": 16}, ValueError, "needs both gpus and gpu_mem_gb. Fix"),
+    ({"params": 7e9, "efficiency": 1.5}, ValueError, "0 < efficiency <= 1. Fix"),
 ])
 def test_bad_input_is_refused_with_the_fix(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -124,7 +159,9 @@ def test_dtlab_advise_json_gives_bytes_per_strategy(capsys):
 def test_dtlab_advise_table_and_bad_input(capsys):
     assert cli.main(["advise", "--params", "7e9", "--cluster", "g5.12xlarge x4"]) == 0
     out = capsys.readouterr().out
-    assert "GB = 10^9 bytes" in out and "Recommendation: " in out and "TP4 x DP4" in out
+    assert "GB = 10^9 bytes" in out and "Recommendation: " in out and "MFU" in out
+    assert cli.main(["advise", "--params", "7e9", "--mfu", "0.4"]) == 2
+    assert "--mfu is now --efficiency" in capsys.readouterr().err
     assert cli.main(["advise", "--params", "7e9", "--cluster", "g5.12xlarge x4", "--layout", "dp=2,tp=4"]) == 2
     assert "product is 16" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -135,7 +172,7 @@ def test_dtlab_advise_table_and_bad_input(capsys):
 def test_the_memory_model_is_the_one_the_course_measures_against():
     # Notebooks 06 and 12 assert that measured per-rank elements equal dtlab.memory's formulas; the advisor
     # prints the same formulas (bytes = elements x bytes per element), not a second copy of them.
-    a = advise.advise(1e6, gpus=2, gpu_mem_gb=24, precision="fp32", layouts=False, recompute="full")
+    a = advise.advise(1e6, gpus=2, gpu_mem_gb=24, precision="fp32", layouts=False, recompute="full", global_batch=2)
     for name, stage in (("DDP", 0), ("ZeRO-1", 1), ("ZeRO-2", 2), ("ZeRO-3", 3)):
         paper = memory.model_states(1e6, 2, stage, "fp32")
         row = a.row(name)["memory_bytes"]
@@ -170,7 +207,8 @@ def test_zero3_per_rank_states_match_a_measured_fsdp_at_two_ranks():
     width = 64
     psi = 3 * width * width
     held = run(_fsdp_held, {"width": width}, nprocs=2)
-    row = advise.advise(psi, gpus=2, gpu_mem_gb=24, precision="fp32", layouts=False).row("ZeRO-3")["memory_bytes"]
+    row = advise.advise(psi, gpus=2, gpu_mem_gb=24, precision="fp32", layouts=False, global_batch=2).row(
+        "ZeRO-3")["memory_bytes"]
     for rank in held:
         assert rank["params"] == row["params"] / 4 == psi / 2
         assert rank["grads"] == row["grads"] / 4
@@ -192,3 +230,10 @@ def test_the_form_is_a_real_ipywidgets_form_that_redraws(capsys):
     printed = [o for o in form.out.outputs if o.get("name") == "stdout"] if hasattr(form, "out") else []
     text = "".join(o["text"] for o in printed) or capsys.readouterr().out
     assert "70B parameters" in text and "Recommendation" in text
+
+
+def test_dtlab_memory_is_now_a_view_of_advise(capsys):
+    assert cli.main(["memory", "--params", "7e9", "--cluster", "g5.12xlarge x4", "--cpu-mem-gb-per-gpu", "40"]) == 0
+    captured = capsys.readouterr()
+    assert "dtlab advise --data-parallel-only" in captured.err
+    assert "ZeRO-3" in captured.out and "TP" not in captured.out.split("Recommendation")[0]

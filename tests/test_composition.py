@@ -1,10 +1,10 @@
-"""Composing parallelism: the 2-D mesh against one process, the mesh's checks, and the layout model's arithmetic."""
+"""Composing parallelism: the 2-D mesh against one process, and the mesh's checks (the layout model on paper is
+dtlab.planner.cost: tests/test_planner_cost.py)."""
 
 import pytest
 import torch
 
-from dtlab import composition, fsdp2, hardware, memory
-from dtlab.composition import Layout
+from dtlab import composition, fsdp2
 from dtlab.launch import WorkerError, run
 
 
@@ -69,35 +69,3 @@ def test_a_mesh_that_does_not_fit_or_a_missing_name_is_refused_with_the_fix(dims
     with pytest.raises(WorkerError) as err:
         run(ask_for_mesh, dims, name, nprocs=2, timeout=60)
     assert words in str(err.value) and "Fix" in str(err.value)
-
-
-def test_layout_memory_is_the_memory_models_for_each_gpus_share():
-    r = composition.cost(7e9, Layout(dp=2, tp=4, pp=2), "g5.12xlarge x4")
-    states = memory.model_states(7e9 / 8, 2, 1)
-    assert r["memory"]["params"] == states.params and r["memory"]["optimizer"] == states.optimizer
-    shape = memory.model_shape(7e9)
-    assert r["memory"]["activations"] == pytest.approx(
-        memory.activation_bytes(1, 2048, shape.n_layer, shape.n_embd, shape.n_head, recompute="selective") / 4)
-    assert r["inside_node"] == {"tp": True, "cp": True, "pp": False, "dp": False}
-
-
-def test_tp_across_nodes_is_priced_at_the_network_and_the_bubble_follows_the_formula():
-    inside = composition.cost(7e9, Layout(dp=4, tp=4), "g5.12xlarge x4")
-    across = composition.cost(7e9, Layout(tp=16), "g5.12xlarge x4")
-    node = hardware.node("g5.12xlarge")
-    ring = lambda n: 2 * (n - 1) / n  # noqa: E731
-    per_value = {n: ring(n) for n in (4, 16)}
-    m4, m16 = 512 // 4, 512
-    assert inside["comm_seconds"]["tp"] == pytest.approx(
-        m4 * 32 * 4 * per_value[4] * 2048 * 4096 * 2 / (node.intra_node_gbs * 1e9))
-    assert across["comm_seconds"]["tp"] == pytest.approx(
-        m16 * 32 * 4 * per_value[16] * 2048 * 4096 * 2 / (node.network_gbps / 8 * 1e9))
-    piped = composition.cost(7e9, Layout(dp=4, pp=4), "g5.12xlarge x4")
-    assert piped["bubble"] == pytest.approx(3 / (128 + 3))
-
-
-@pytest.mark.parametrize("layout, words", [(Layout(dp=32), "needs 32 GPUs"), (Layout(dp=4, tp=3), "heads=32"),
-                                           (Layout(pp=3, dp=4), "layers=32")])
-def test_layouts_that_cannot_run_are_refused_with_the_fix(layout, words):
-    with pytest.raises(ValueError, match=words + ".*Fix"):
-        composition.cost(7e9, layout, "g5.12xlarge x4")

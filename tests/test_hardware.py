@@ -4,14 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from dtlab import clusters, hardware, memory
+from dtlab import clusters, hardware
+from dtlab.planner import advise, formulas
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_units_are_decimal_gb_and_binary_gib():
     assert hardware.GB == 10**9 and hardware.GiB == 2**30 and hardware.MiB == 2**20
-    assert memory.GB == hardware.GB and memory.GiB == hardware.GiB
+    assert formulas.GB == hardware.GB and formulas.GiB == hardware.GiB
 
 
 def test_the_a10g_as_nvidia_smi_reports_it():
@@ -102,10 +103,13 @@ def test_any_node_type_times_n_is_a_cluster():
     assert hardware.cluster(two) is two
 
 
-def test_the_validator_and_the_memory_model_read_hardware():
+def test_the_validator_and_the_planner_read_hardware():
     assert clusters.GPU_NODE_TYPES is hardware.NODE_TYPES and clusters.NodeType is hardware.NodeType
-    a100 = memory.plan_table(7e9, cluster="p4d.24xlarge", activations=0)
-    a10g = memory.plan_table(7e9, 8, activations=0)
-    assert [r["states_gb"] for r in a100] == [r["states_gb"] for r in a10g]  # 8 GPUs each
-    assert [r["fits"] for r in a100] != [r["fits"] for r in a10g]  # 40 GB vs 24 GB per GPU
+    a100 = advise.advise(7e9, cluster="p4d.24xlarge", layouts=False)
+    a10g = advise.advise(7e9, cluster="g5.48xlarge", layouts=False)                  # 8 GPUs each
+
+    def states(a):
+        return [sum(r["memory_bytes"][k] for k in ("params", "grads", "optimizer")) for r in a.priced]
+    assert states(a100) == states(a10g)
+    assert [r["fits"] for r in a100.priced] != [r["fits"] for r in a10g.priced]  # 40 GB vs 24 GB per GPU
     assert hardware.DEFAULT_CLUSTER in hardware.CLUSTERS

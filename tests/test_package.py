@@ -26,3 +26,22 @@ def test_every_module_has_a_docstring_a_learner_can_read(name):
 
     module = importlib.import_module(f"dtlab.{name}")
     assert module.__doc__ and len(module.__doc__.split()) > 10, f"dtlab.{name} needs a docstring"
+
+
+@pytest.mark.parametrize("old, name, new", [("memory", "model_states", "dtlab.planner.formulas"),
+                                            ("composition", "Layout", "dtlab.planner.cost"),
+                                            ("advise", "Advice", "dtlab.planner.advise")])
+def test_old_planner_paths_keep_working_for_a_release_and_name_the_new_one(old, name, new):
+    import importlib
+
+    module = importlib.import_module(f"dtlab.{old}")
+    with pytest.warns(DeprecationWarning, match=f"moved to {new}.{name}"):
+        value = getattr(module, name)
+    assert value is getattr(importlib.import_module(new), name)
+
+
+def test_a_removed_planner_function_names_its_replacement():
+    from dtlab import memory
+
+    with pytest.raises(AttributeError, match="dtlab.planner.advise.advise"):
+        memory.plan_table  # noqa: B018

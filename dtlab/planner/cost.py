@@ -1,0 +1,484 @@
+"""What a layout costs: memory per GPU, and a training step's time split into what takes it.
+
+A layout ``DP x TP x PP x CP`` (``Layout``) puts ``dp * tp * pp * cp`` GPUs to work on one model;
+``zero`` is the ZeRO stage over the DP dimension (3 is FSDP). Ranks are numbered with TP fastest,
+then CP, PP and DP (as Megatron-LM does), so a dimension's groups stay inside a node when it and the
+dimensions inside it fit in one node's GPUs.
+
+**One step** trains on ``global_batch`` sequences: each DP replica runs ``M = global_batch / (dp * b)``
+micro-batches of ``b`` sequences, and the strategies communicate where they really do
+(``traffic``)::
+
+    DDP        all-reduce of the gradients, once per step (no_sync on the other micro-batches);
+               hidden behind the last micro-batch's backward pass
+    ZeRO-1     reduce-scatter of the gradients once per step, all-gather of the updated parameters
+    ZeRO-2     reduce-scatter every micro-batch (the gradients are kept sharded), all-gather once
+    ZeRO-3     all-gather of each layer's parameters in the forward pass and again in the backward,
+    / FSDP     reduce-scatter of its gradients: every micro-batch. Deferred gradient sync (FSDP's
+               set_requires_gradient_sync(False)) reduces once per step, holding whole gradients
+    TP         4 all-reduces per layer and micro-batch (2 forward, 2 backward; 2 more when the
+               forward is recomputed), on the critical path
+    PP         one activation forward and one gradient backward per micro-batch and stage
+               boundary; a bubble of (P-1)/(v*M + P - 1) of the pipeline's time
+    CP         keys and values passed around the ring, forward and backward
+
+Communication hides behind the compute that can hide it and no more: a prefetched all-gather
+behind the forward pass (except the first layer's), gradients behind the backward pass (except
+the last layer's reduce), DDP's once-per-step all-reduce behind the *last* micro-batch's backward
+only. TP, CP and PP transfers are not hidden.
+
+**Links are shared** by the groups that use them at once. Inside a node a GPU sends at
+``intra_node_gbs`` (NVLink, or what a collective gets over PCIe). Across nodes a group's ring is
+hierarchical: its members on one node split the tensor between them, and each node's network link
+(``inter_node_gbs``, all the node's NICs together) carries ``ring_factor(nodes) x tensor`` for every
+group with members on that node — so 4 TP x 4 DP GPUs per node push four DP rings through one NIC,
+while one DP ring over all GPUs uses the whole NIC (as NCCL's rings and trees do, which is why
+nccl-tests reports a multi-node bus bandwidth close to the node's total network bandwidth).
+
+**Compute** is the step's hardware FLOPs (``formulas.training_flops``: recomputation included) at
+``efficiency`` x the GPU's peak; MFU and HFU are then what the whole step achieves. It is a planning
+model: it leaves out latencies, kernels that are not matrix products beyond the ``efficiency``
+factor, the optimizer step, and the embedding's uneven place on the first and last pipeline stages.
+``dtlab.planner.published`` holds it to published training runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dtlab import hardware
+from dtlab.planner import formulas
+from dtlab.planner.formulas import ModelShape, ring_factor
+
+#: Fraction of the GPU's peak FLOP/s the step's kernels reach while computing (not waiting), by GPU: for each,
+#: the median over the published runs on it (``dtlab/planner/published_runs.json``) of the value at which this
+#: model reproduces the run (``published.fitted_efficiency``; tests/test_published_runs.py recomputes them).
+EFFICIENCY = {"A100": 0.57, "H100": 0.40}
+#: For a GPU without published runs here (the course's A10G, T4, V100): the median over every run.
+DEFAULT_EFFICIENCY = 0.56
+
+
+def efficiency_for(gpu: hardware.GPU) -> tuple[float, str]:
+    """The planner's compute efficiency for ``gpu`` and where it comes from (``EFFICIENCY``)."""
+    for family, value in EFFICIENCY.items():
+        if gpu.name.upper().startswith(family):
+            return value, f"the median of the published {family} runs"
+    return DEFAULT_EFFICIENCY, f"the median of all published runs; none on the {gpu.name}"
+#: Host-to-GPU GB/s per GPU, one direction (PCIe Gen4 x16 is 32 GB/s nominal; GPUs share the host's lanes).
+PCIE_GBS = 12.0
+#: Bytes per gradient bucket of DDP and of ZeRO-1/2's once-per-step collectives (PyTorch DDP's bucket_cap_mb=25).
+BUCKET_BYTES = 25e6
+#: Parameters per second DeepSpeed's CPU Adam updates with one GPU's share of the host cores (an assumption).
+CPU_ADAM_PARAMS_PER_S = 1e9
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run this model, batch or cluster; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of each kind of parallelism, and how the data-parallel dimension shards and syncs.
+
+    ``zero``: the ZeRO stage over DP (0 = DDP, 3 = ZeRO-3 / FSDP). ``defer_grad_sync``: with stage 3,
+    reduce gradients once per step instead of every micro-batch (holding whole gradients until then).
+    ``virtual``: pipeline chunks per GPU (interleaved 1F1B). ``offload_optimizer`` / ``offload_params``:
+    ZeRO-Offload to host memory. ``gathers_per_layer``: ZeRO-3 collectives per layer and pass: 1 where each
+    transformer block is one unit (FSDP wrapped per block, as torchtitan and MosaicML do); DeepSpeed's ZeRO-3
+    of 2021 gathered each sub-module's parameters as it ran (``PartitionedParameterCoordinator.fetch_sub_module``:
+    a GPT layer's 4 linear layers and 2 norms, 12 tensors).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 1
+    defer_grad_sync: bool = False
+    virtual: int = 1
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    gathers_per_layer: int = 1
+
+    def __post_init__(self):
+        if min(self.dp, self.tp, self.pp, self.cp, self.virtual) < 1 or self.zero not in (0, 1, 2, 3):
+            raise LayoutError(f"dp={self.dp}, tp={self.tp}, pp={self.pp}, cp={self.cp}, virtual={self.virtual}, "
+                              f"zero={self.zero}: degrees must be >= 1 and zero one of 0-3. Fix: e.g. "
+                              "Layout(dp=4, tp=4)")
+        if self.defer_grad_sync and self.zero != 3:
+            raise LayoutError("defer_grad_sync applies to ZeRO-3 / FSDP (stages 0-1 already reduce once per step; "
+                              "DeepSpeed's stage 2 cannot defer). Fix: zero=3, or drop defer_grad_sync")
+        if self.virtual > 1 and self.pp == 1:
+            raise LayoutError(f"virtual={self.virtual} needs a pipeline. Fix: pp >= 2, or virtual=1")
+        if self.offload_optimizer and self.zero == 0:
+            raise LayoutError("optimizer offload needs ZeRO stage 1, 2 or 3. Fix: zero=2 or 3")
+        if self.offload_params and (self.zero != 3 or not self.offload_optimizer):
+            raise LayoutError("parameter offload needs ZeRO-3 with the optimizer offloaded too. Fix: zero=3, "
+                              "offload_optimizer=True")
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def name(self) -> str:
+        """``"TP4 x PP2 x DP2 (ZeRO-1)"``; data parallelism alone is named by its strategy (``"ZeRO-3"``)."""
+        if (self.tp, self.pp, self.cp) == (1, 1, 1):
+            base = "DDP" if self.zero == 0 else f"ZeRO-{self.zero}"
+            if self.defer_grad_sync:
+                base += ", gradient sync deferred"
+            if self.offload_optimizer:
+                base += " + optimizer" + (" and parameter" if self.offload_params else "") + " offload"
+            return base
+        parts = [f"{n.upper()}{getattr(self, n)}" for n in ("tp", "cp", "pp", "dp") if getattr(self, n) > 1]
+        text = " x ".join(parts)
+        if self.virtual > 1:
+            text += f" (v{self.virtual})"
+        if self.dp > 1:
+            text += f" (ZeRO-{self.zero}" + (", sync deferred" if self.defer_grad_sync else "") + ")"
+        return text
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def spread(layout: Layout, gpus_per_node: int) -> dict[str, tuple[int, int]]:
+    """For each dimension: ``(members of one group on a node, nodes a group spans)``.
+
+    Ranks are numbered TP fastest, then CP, PP, DP; a group's members are ``stride`` ranks apart,
+    where ``stride`` is the product of the degrees inside it.
+    """
+    out, stride = {}, 1
+    for name in ("tp", "cp", "pp", "dp"):
+        degree = getattr(layout, name)
+        members = max(1, min(degree, gpus_per_node // stride)) if stride < gpus_per_node else 1
+        out[name] = (members, math.ceil(degree / members))
+        stride *= degree
+    return out
+
+
+def inside_node(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
+    """For each dimension, whether its groups stay inside one node."""
+    return {name: nodes == 1 for name, (_, nodes) in spread(layout, gpus_per_node).items()}
+
+
+#: Latency of one collective, in microseconds, from NCCL's own cost model (src/graph/tuning.cc, the "Simple"
+#: protocol NCCL uses for large messages): a base per call, plus per ring step over NVLink, PCIe or the network.
+NCCL_LATENCY_US = {"base": 8.4, "nvlink": 3.4, "pcie": 5.7, "network": 9.6}
+
+
+def collective_latency(collective: str, members: int, nodes: int, cluster: hardware.Cluster) -> float:
+    """Seconds one ring ``collective`` waits on latency (NCCL's model): ``base + steps inside nodes x their link's
+    latency + steps across nodes x the network's``, with ``ranks - 1`` steps for all-gather and reduce-scatter
+    and twice that for all-reduce (of which ``nodes - 1`` or twice that cross the network)."""
+    ranks = members * nodes
+    if ranks == 1:
+        return 0.0
+    twice = 2 if collective == "all_reduce" else 1
+    inside = "nvlink" if "NVLink" in cluster.node.interconnect or "NVSwitch" in cluster.node.interconnect or \
+        cluster.node.intra_node_gbs >= 100 else "pcie"
+    steps, across = twice * (ranks - 1), twice * (nodes - 1)
+    us = NCCL_LATENCY_US
+    return (us["base"] + (steps - across) * us[inside] + across * us["network"]) * 1e-6
+
+
+def collective_seconds(nbytes: float, collective: str, members: int, nodes: int, cluster: hardware.Cluster,
+                       calls: float = 1) -> float:
+    """Seconds of ``calls`` ``collective`` calls on ``nbytes`` per rank in all for a group with ``members`` GPUs on
+    each of ``nodes`` nodes, every group of its kind running at the same time (see the module docstring: links
+    are shared), plus each call's latency (``collective_latency``)."""
+    if members * nodes == 1 or nbytes == 0:
+        return 0.0
+    node = cluster.node
+    seconds = calls * collective_latency(collective, members, nodes, cluster)
+    if members > 1:
+        seconds += ring_factor(members, collective) * nbytes / (node.intra_node_gbs * 1e9)
+    if nodes > 1:
+        groups_per_node = node.gpus / members
+        seconds += groups_per_node * ring_factor(nodes, collective) * nbytes / (cluster.inter_node_gbs * 1e9)
+    return seconds
+
+
+def p2p_seconds(nbytes: float, members: int, nodes: int, cluster: hardware.Cluster) -> float:
+    """Seconds for a pipeline stage to send ``nbytes`` to the next, over the slowest boundary: the network when
+    the pipeline spans nodes (every pipeline on the node sending through its link at once), else inside the node."""
+    if members * nodes == 1 or nbytes == 0:
+        return 0.0
+    if nodes > 1:
+        return (cluster.node.gpus / members) * nbytes / (cluster.inter_node_gbs * 1e9)
+    return nbytes / (cluster.node.intra_node_gbs * 1e9)
+
+
+def can_time(cluster: hardware.Cluster, precision: str = "bf16") -> bool:
+    """Whether a step time can be computed: the GPU's peak for ``precision`` and the links the GPUs use are known."""
+    node = cluster.node
+    links = (node.gpus == 1 or node.intra_node_gbs > 0) and (cluster.nodes == 1 or cluster.inter_node_gbs > 0)
+    return cluster.gpu.peak_flops(precision) > 0 and links
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What is trained and how: sequences per step and per micro-batch, their length, precision, recomputation.
+
+    ``efficiency``: the fraction of peak FLOP/s while computing; None takes ``efficiency_for`` the cluster's GPU.
+    ``flash_attention``: a fused attention kernel (FlashAttention; PyTorch's SDPA on a GPU) that keeps no
+    sequence x sequence scores for backward (``formulas.layer_activation_bytes``); False for eager attention.
+    """
+
+    global_batch: int = 512
+    micro_batch: int = 1
+    seq_len: int = 2048
+    recompute: str = "selective"
+    precision: str = "bf16"
+    efficiency: float | None = None
+    flash_attention: bool = True
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one activation, gradient or 16-bit parameter value."""
+        return 4 if self.precision == "fp32" else 2
+
+
+def check(num_params: float, shape: ModelShape, layout: Layout, cluster: hardware.Cluster, setup: Setup) -> int:
+    """Why ``layout`` cannot run (``LayoutError`` naming the fix), or its micro-batches per step."""
+    if layout.gpus > cluster.gpus:
+        raise LayoutError(f"{layout} needs {layout.gpus} GPUs; {cluster.name} has {cluster.gpus}. Fix: smaller degrees")
+    if layout.gpus < cluster.gpus:
+        raise LayoutError(f"{layout} uses {layout.gpus} of {cluster.name}'s {cluster.gpus} GPUs. Fix: degrees whose "
+                          f"product is {cluster.gpus}")
+    if setup.micro_batch > setup.global_batch:
+        raise LayoutError(f"micro_batch={setup.micro_batch} is larger than global_batch={setup.global_batch}. Fix: a "
+                          "micro-batch of at most the global batch")
+    per_replica = layout.dp * setup.micro_batch
+    if setup.global_batch % per_replica:
+        raise LayoutError(f"global batch {setup.global_batch} does not divide into DP {layout.dp} x micro-batch "
+                          f"{setup.micro_batch}. Fix: a global batch that is a multiple of {per_replica}, or "
+                          "another DP degree")
+    gpn = cluster.node.gpus
+    if layout.tp > 1 and (gpn % layout.tp if layout.tp <= gpn else layout.tp % gpn):
+        raise LayoutError(f"{layout}: tensor-parallel groups of {layout.tp} would straddle nodes of {gpn} GPUs. Fix: a "
+                          f"TP degree that divides {gpn} (or a multiple of it)")
+    if shape.n_head % layout.tp:
+        raise LayoutError(f"{shape.n_head} heads do not divide by TP {layout.tp}. Fix: a TP degree that divides "
+                          f"the heads")
+    kv = shape.n_kv_head or shape.n_head
+    if kv % layout.tp and layout.tp % kv:
+        raise LayoutError(f"{kv} KV heads and TP {layout.tp}: neither divides the other. Fix: a TP degree that "
+                          "divides the KV heads, or a multiple of them")
+    if layout.pp * layout.virtual > shape.n_layer:
+        raise LayoutError(f"{layout.pp * layout.virtual} pipeline chunks for {shape.n_layer} layers. Fix: at most "
+                          f"{shape.n_layer} chunks")
+    if setup.seq_len % layout.cp:
+        raise LayoutError(f"sequence {setup.seq_len} does not divide by CP {layout.cp}. Fix: a CP degree that "
+                          "divides it")
+    micro_batches = setup.global_batch // per_replica
+    if layout.pp > 1 and micro_batches < 2:
+        raise LayoutError(f"{layout} gets {micro_batches} micro-batch per step: a pipeline needs at least 2. Fix: "
+                          "a larger global batch or a smaller micro-batch")
+    return micro_batches
+
+
+def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
+           micro_batches: int | None = None) -> dict[str, float]:
+    """Bytes per GPU of the busiest GPU: ``params``, ``grads``, ``optimizer``, ``activations``, ``buffers``
+    (ZeRO-3's gathered layers), ``total``, and ``cpu`` (offloaded to host memory, per GPU).
+
+    Model states follow ``formulas.model_states`` for this GPU's slice (``Ψ / TP`` of its pipeline
+    stage's layers; the stage with the most layers when they do not divide evenly). Activations follow
+    ``formulas.layer_activation_bytes`` divided by TP (sequence parallelism assumed); under 1F1B the first
+    stage holds ``min(M, P)`` micro-batches of ``L/P`` layers (interleaving adds ``(P-1)/(P*v)`` of
+    that); the last holds the fp32 logits (``formulas.logits_bytes``).
+    """
+    m = micro_batches if micro_batches is not None else max(1, setup.global_batch // (layout.dp * setup.micro_batch))
+    precision = "fp32" if setup.precision == "fp32" else "mixed"
+    share = math.ceil(shape.n_layer / layout.pp) / shape.n_layer
+    slice_params = num_params * share / layout.tp
+    states = formulas.model_states(slice_params, layout.dp, layout.zero, precision, layout.offload_optimizer,
+                                   layout.offload_params)
+    grads = states.grads
+    if layout.defer_grad_sync:                      # whole gradients until the step's last micro-batch
+        grads = setup.value_bytes * slice_params
+    layers = math.ceil(shape.n_layer / layout.pp)
+    seq = setup.seq_len // layout.cp
+    b, vb = setup.micro_batch, setup.value_bytes
+
+    def layer(mode: str) -> dict[str, float]:
+        return formulas.layer_activation_bytes(shape, b, seq, mode, setup.flash_attention, vb)
+
+    def held(n_layers: float) -> float:
+        return layer(setup.recompute)["total"] * n_layers
+
+    # what one layer's backward recomputes on top of what is held: its scores, or (full) all of it
+    peak_extra = {"none": 0.0, "selective": layer("none")["scores"], "full": layer("none")["total"]}[setup.recompute]
+    logits = formulas.logits_bytes(b, seq, shape.vocab)
+    if layout.pp == 1:
+        activations = held(layers) + peak_extra + logits
+    else:
+        in_flight = min(m, layout.pp) * (1 + ((layout.pp - 1) / (layout.pp * layout.virtual)
+                                              if layout.virtual > 1 else 0))
+        activations = max(held(layers * in_flight), held(layers) + logits) + peak_extra
+    activations /= layout.tp
+    buffers = 0.0
+    if layout.zero == 3:                            # the layer being computed and the one prefetched, whole
+        buffers = 2 * vb * shape.layer_params / layout.tp
+    mem = {"params": states.params, "grads": grads, "optimizer": states.optimizer, "activations": activations,
+           "buffers": buffers}
+    mem["total"] = sum(mem.values())
+    mem["cpu"] = states.cpu
+    return mem
+
+
+def traffic(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
+            micro_batches: int) -> dict[str, dict[str, float]]:
+    """Bytes per GPU per step of each collective, by dimension: ``{"dp": {"all_reduce": ..., ...}, ...}``.
+
+    Sizes are per rank as nccl-tests counts them (the all-reduce's tensor, the all-gather's output, the
+    reduce-scatter's input); ``bytes_sent`` multiplies by ``ring_factor``.
+    """
+    m, vb, b = micro_batches, setup.value_bytes, setup.micro_batch
+    share = math.ceil(shape.n_layer / layout.pp) / shape.n_layer
+    tensor = vb * num_params * share / layout.tp          # this GPU's gradients (or 16-bit parameters)
+    out: dict[str, dict[str, float]] = {"dp": {}, "tp": {}, "cp": {}, "pp": {}}
+    if layout.dp > 1:
+        if layout.zero == 0:
+            out["dp"]["all_reduce"] = tensor
+        elif layout.zero in (1, 2):
+            out["dp"]["reduce_scatter"] = tensor * (m if layout.zero == 2 else 1)
+            out["dp"]["all_gather"] = tensor
+        else:
+            out["dp"]["all_gather"] = 2 * m * tensor
+            out["dp"]["reduce_scatter"] = tensor * (1 if layout.defer_grad_sync else m)
+    layers = math.ceil(shape.n_layer / layout.pp)
+    tokens = b * setup.seq_len // layout.cp
+    if layout.tp > 1:
+        per_layer = 4 + (2 if setup.recompute == "full" else 0)
+        out["tp"]["all_reduce"] = m * layers * per_layer * tokens * shape.n_embd * vb
+    if layout.cp > 1:
+        kv = 2 * tokens * (shape.n_kv_head or shape.n_head) * shape.head_dim * vb / layout.tp
+        passes = 3 + (1 if setup.recompute == "full" else 0)      # forward, backward's K/V and their gradients
+        out["cp"]["send"] = m * layers * passes * (layout.cp - 1) * kv
+    if layout.pp > 1:
+        out["pp"]["send"] = 2 * m * layout.virtual * tokens * shape.n_embd * vb / layout.tp
+    return out
+
+
+def bytes_sent(traffic_: dict[str, dict[str, float]], layout: Layout) -> dict[str, float]:
+    """Bytes each GPU sends per step, by dimension (ring factors applied)."""
+    return {dim: sum((ring_factor(getattr(layout, dim), op) if op != "send" else 1.0) * n for op, n in ops.items())
+            for dim, ops in traffic_.items()}
+
+
+def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, setup: Setup | None = None,
+         shape: ModelShape | None = None, headroom: float = formulas.HEADROOM) -> dict:
+    """Memory per GPU and step time of ``layout`` training a ``num_params`` model on ``cluster``.
+
+    Returns a dict: ``layout`` (its name), ``micro_batches``, ``memory`` (``memory()``), ``fits`` (within
+    ``1 - headroom`` of the GPU and of the host memory per GPU), ``inside_node``, ``bytes_sent``
+    (per GPU, by dimension), ``seconds`` (``compute``, ``recompute`` (part of compute), ``comm_exposed``,
+    ``comm_hidden``, ``bubble``, ``offload``, ``total``, and ``by_dimension``: exposed seconds per
+    dimension), ``tokens_per_second``, ``mfu`` and ``hfu``. Where the cluster's speeds are not known
+    (``can_time``), the clock's entries are None and only memory is computed.
+
+    Raises:
+        LayoutError: when the layout cannot run (GPUs, batch, heads, layers or sequence do not divide);
+            the message names the fix.
+    """
+    c = hardware.cluster(cluster)
+    setup = setup or Setup()
+    shape = shape or formulas.model_shape(num_params)
+    m = check(num_params, shape, layout, c, setup)
+    mem = memory(num_params, shape, layout, setup, m)
+    usable = c.gpu.memory_bytes * (1 - headroom)
+    host = c.node.cpu_memory_bytes_per_gpu * (1 - headroom)
+    fits: bool | None = mem["total"] <= usable
+    if fits and mem["cpu"] > 0:
+        fits = (mem["cpu"] <= host) if host > 0 else None        # None: a host whose memory was not given
+
+    base = {"layout": layout.name, "micro_batches": m, "memory": mem, "fits": fits,
+            "inside_node": inside_node(layout, c.node.gpus)}
+    if not can_time(c, setup.precision):
+        return {**base, "bytes_sent": None, "seconds": None, "tokens_per_second": None, "mfu": None, "hfu": None}
+
+    # compute of one micro-batch on this GPU (the busiest pipeline stage)
+    peak = c.gpu.peak_flops(setup.precision)
+    rate = (setup.efficiency or efficiency_for(c.gpu)[0]) * peak
+    tokens = setup.micro_batch * setup.seq_len
+    f = formulas.training_flops(tokens, shape, setup.seq_len, setup.recompute, num_params)
+    share = math.ceil(shape.n_layer / layout.pp) / shape.n_layer / (layout.tp * layout.cp)
+    fwd = f.forward * share / rate
+    recompute = f.recomputed * share / rate
+    bwd = 2 * fwd + recompute                              # backward, with what it recomputes
+    per_mb = fwd + bwd
+
+    spread_ = spread(layout, c.node.gpus)
+    flows = traffic(num_params, shape, layout, setup, m)
+
+    def coll(dim: str, op: str, nbytes: float, calls: float = 1) -> float:
+        members, nodes = spread_[dim]
+        return collective_seconds(nbytes, op, members, nodes, c, calls)
+
+    buckets = max(1, math.ceil(flows["dp"].get("all_reduce", flows["dp"].get("all_gather", 0.0)) / BUCKET_BYTES))
+
+    # data parallelism: per collective call, what can hide it
+    dp_exposed = dp_total = 0.0
+    if layout.dp > 1:
+        layers = math.ceil(shape.n_layer / layout.pp)
+        one = flows["dp"]
+        if layout.zero == 0:
+            t = coll("dp", "all_reduce", one["all_reduce"], buckets)
+            dp_total, dp_exposed = t, max(0.0, t - bwd)
+        elif layout.zero in (1, 2):
+            rs_calls = m if layout.zero == 2 else 1
+            rs = coll("dp", "reduce_scatter", one["reduce_scatter"] / rs_calls, buckets)
+            ag = coll("dp", "all_gather", one["all_gather"], buckets)
+            dp_total = rs_calls * rs + ag
+            dp_exposed = rs_calls * max(0.0, rs - bwd) + max(0.0, ag - fwd)
+        else:
+            units = layers * layout.gathers_per_layer                        # collectives per pass over the layers
+            ag = coll("dp", "all_gather", one["all_gather"] / (2 * m), units)
+            rs = coll("dp", "reduce_scatter", one["reduce_scatter"] / (1 if layout.defer_grad_sync else m), units)
+            if layout.defer_grad_sync:
+                forward_exp = max(0.0, ag - fwd) + ag / layers
+                backward_exp = max(0.0, ag - bwd)
+                last = max(0.0, ag + rs - bwd) + rs / layers
+                dp_exposed = m * forward_exp + (m - 1) * backward_exp + last
+                dp_total = 2 * m * ag + rs
+            else:
+                forward_exp = max(0.0, ag - fwd) + ag / layers
+                backward_exp = max(0.0, ag + rs - bwd) + rs / layers
+                dp_exposed = m * (forward_exp + backward_exp)
+                dp_total = m * (2 * ag + rs)
+    tp_calls = m * math.ceil(shape.n_layer / layout.pp) * (4 + (2 if setup.recompute == "full" else 0))
+    tp_s = coll("tp", "all_reduce", flows["tp"].get("all_reduce", 0.0), tp_calls)
+    cp_s = 0.0
+    if layout.cp > 1:   # the ring: cp - 1 steps, each a send to the next rank (a p2p per step)
+        members, nodes = spread_["cp"]
+        cp_s = p2p_seconds(flows["cp"]["send"], members, nodes, c)
+    pp_s = 0.0
+    if layout.pp > 1:
+        members, nodes = spread_["pp"]
+        pp_s = p2p_seconds(flows["pp"]["send"], members, nodes, c)
+
+    offload = 0.0
+    if layout.offload_optimizer:   # gradients down, updated 16-bit parameters up, and Adam on the CPU
+        shard = num_params / (layout.tp * layout.pp * layout.dp)
+        offload = (2 * setup.value_bytes * shard) / (PCIE_GBS * 1e9) + shard / CPU_ADAM_PARAMS_PER_S
+        if layout.offload_params:  # this GPU's parameter shard comes up for every forward and backward
+            offload += m * 2 * setup.value_bytes * shard / (PCIE_GBS * 1e9)
+
+    compute = m * per_mb
+    pipelined = compute + tp_s + cp_s + pp_s
+    bubble_share = (layout.pp - 1) / (layout.virtual * m + layout.pp - 1) if layout.pp > 1 else 0.0
+    bubble = pipelined * bubble_share / (1 - bubble_share)
+    total = pipelined + bubble + dp_exposed + offload
+    exposed = tp_s + cp_s + pp_s + dp_exposed
+    step_tokens = setup.global_batch * setup.seq_len
+    whole = formulas.training_flops(step_tokens, shape, setup.seq_len, setup.recompute, num_params)
+    return {**base, "bytes_sent": bytes_sent(flows, layout),
+            "seconds": {"compute": compute, "recompute": m * recompute, "comm_exposed": exposed,
+                        "comm_hidden": dp_total - dp_exposed, "bubble": bubble, "offload": offload, "total": total,
+                        "by_dimension": {"dp": dp_exposed, "tp": tp_s, "cp": cp_s, "pp": pp_s}},
+            "tokens_per_second": step_tokens / total,
+            "mfu": whole.model / (total * layout.gpus * peak), "hfu": whole.hardware / (total * layout.gpus * peak)}

@@ -1,0 +1,228 @@
+"""Published training runs, and what the cost model predicts for each: the planner held to measurements.
+
+``published_runs.json`` (beside this file) lists large training runs as their sources report them —
+Megatron-LM's scaling tables and its ZeRO-3 comparison (Narayanan et al. 2021), sequence parallelism with
+selective recomputation (Korthikanti et al. 2022), MT-NLG, BLOOM, Llama 3, torchtitan and MosaicML's
+benchmarks — each with its source (title, address, table, a quote), its hardware, model shape, batch,
+layout and measured throughput. What a source does not state is in the run's ``assumed``, with why.
+
+``compare(run)`` prices the run's own layout with ``dtlab.planner.cost`` and sets the prediction beside
+the measurement, in tokens per second per GPU (a measured iteration time gives it directly; a TFLOP/s
+or MFU figure is turned into tokens with the source's own FLOPs formula, ``FLOPS_FORMULAS``). It also
+prices every other layout the advisor would consider for the same model, cluster and batch, so that a
+run a source measured as its best can be checked against the model's ranking.
+
+    from dtlab.planner import published
+    for row in published.table():
+        print(row["name"], row["measured"], row["predicted"], row["ratio"])
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dtlab import hardware
+from dtlab.planner import advise, cost
+from dtlab.planner.formulas import ModelShape
+
+PATH = Path(__file__).with_name("published_runs.json")
+
+
+def _megatron_eq3(shape: ModelShape, seq_len: int, params: float) -> float:
+    """Narayanan et al. 2021, eq. 3, per token: 96 l h^2 (1 + s/6h + V/16lh) (recomputation included)."""
+    layers, h, v = shape.n_layer, shape.n_embd, shape.vocab or 0
+    return 96 * layers * h * h * (1 + seq_len / (6 * h) + v / (16 * layers * h))
+
+
+def _palm(shape: ModelShape, seq_len: int, params: float) -> float:
+    """Chowdhery et al. 2022 (PaLM), appendix B, per token: 6N + 12 L h s (model FLOPs)."""
+    return 6 * params + 12 * shape.n_layer * shape.n_embd * seq_len
+
+
+def _bloom(shape: ModelShape, seq_len: int, params: float) -> float:
+    """BigScience's throughput formula (tr11-176B-ml README): 4 x 2 x N per token (recomputation, no attention)."""
+    return 8 * params
+
+
+#: FLOPs per token each source counts, by name (the run's ``measured["flops_formula"]``).
+FLOPS_FORMULAS = {"megatron-eq3": _megatron_eq3, "palm": _palm, "bloom-8n": _bloom}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One published run: its record from ``published_runs.json`` and the planner's objects for it."""
+
+    record: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.record["name"]
+
+    @property
+    def shape(self) -> ModelShape:
+        m = self.record["model"]
+        return ModelShape(self.name, m["n_layer"], m["n_embd"], m["n_head"], self.record["source"]["title"],
+                          n_kv_head=m["n_kv_head"], ffn=m["ffn"], gated=m["gated"], vocab=m["vocab"], tied=m["tied"],
+                          dropout=m["dropout"])
+
+    @property
+    def params(self) -> float:
+        return float(self.record["model"]["params"])
+
+    @property
+    def cluster(self) -> hardware.Cluster:
+        c = self.record["cluster"]
+        return hardware.custom_cluster(c["gpus"], c["gpu_memory_gb"], c["gpus_per_node"], c["peak_tflops"], True,
+                                       c["intra_node_gbs"], c["inter_node_gbs"], gpu_name=c["gpu"])
+
+    @property
+    def family(self) -> str:
+        """The GPU family (``cost.EFFICIENCY``'s keys: "A100", "H100"), or the GPU's name."""
+        name = self.record["cluster"]["gpu"]
+        return next((f for f in cost.EFFICIENCY if name.upper().startswith(f)), name)
+
+    def exempt(self, check: str) -> str | None:
+        """Why this run is left out of ``check`` ("throughput" or "fits"), or None when it is not."""
+        return self.record.get("exempt", {}).get(check)
+
+    def setup(self, efficiency: float | None = None) -> cost.Setup:
+        s = self.record["setup"]
+        return cost.Setup(s["global_batch"], s["micro_batch"], s["seq_len"], s["recompute"], s["precision"],
+                          efficiency, s["flash_attention"])
+
+    def layouts(self) -> list[cost.Layout]:
+        """The run's layout; where the source gives only TP x PP (``model_parallel``), every split of it with TP
+        inside a node that divides the heads."""
+        lay = self.record["layout"]
+        if lay["tp"] is not None:
+            return [cost.Layout(dp=lay["dp"], tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], zero=lay["zero"],
+                                virtual=lay["virtual"], gathers_per_layer=lay["gathers_per_layer"])]
+        mp, gpn = lay["model_parallel"], self.record["cluster"]["gpus_per_node"]
+        return [cost.Layout(dp=lay["dp"], tp=tp, pp=mp // tp, zero=lay["zero"]) for tp in range(1, gpn + 1)
+                if mp % tp == 0 and gpn % tp == 0 and self.shape.n_head % tp == 0]
+
+    @property
+    def measured_tokens_per_s_per_gpu(self) -> float:
+        """Tokens per second per GPU, from what the source measured: an iteration time, tokens per second, or
+        TFLOP/s (or MFU x peak) divided by the FLOPs per token of the source's formula."""
+        m, s, c = self.record["measured"], self.record["setup"], self.record["cluster"]
+        if m.get("iteration_seconds"):
+            return s["global_batch"] * s["seq_len"] / (m["iteration_seconds"] * c["gpus"])
+        if m.get("tokens_per_s_per_gpu"):
+            return float(m["tokens_per_s_per_gpu"])
+        tflops = m.get("tflops_per_gpu") or m["mfu"] * c["peak_tflops"]
+        return tflops * 1e12 / FLOPS_FORMULAS[m["flops_formula"]](self.shape, s["seq_len"], self.params)
+
+    def price(self, layout: cost.Layout, efficiency: float | None = None) -> dict:
+        return cost.cost(self.params, layout, self.cluster, self.setup(efficiency), self.shape)
+
+
+@functools.lru_cache(maxsize=1)
+def _records() -> tuple[dict, ...]:
+    return tuple(json.loads(PATH.read_text())["runs"])
+
+
+def runs() -> list[Run]:
+    """Every run of ``published_runs.json``."""
+    return [Run(r) for r in _records()]
+
+
+def run(name: str) -> Run:
+    """The run called ``name`` (KeyError listing the names otherwise)."""
+    for r in runs():
+        if r.name == name:
+            return r
+    raise KeyError(f"no published run {name!r}; known: {', '.join(r.name for r in runs())}")
+
+
+def compare(r: Run, efficiency: float | None = None, alternatives: bool = True) -> dict[str, Any]:
+    """The prediction for ``r``'s layout beside its measurement, and the model's best alternative layout.
+
+    Returns ``name``, ``layout`` (the one priced), ``fits``, ``memory_gb`` (per GPU), ``measured`` and
+    ``predicted`` (tokens/s per GPU), ``ratio`` (predicted / measured), ``exempt`` (the checks the run is
+    left out of, with why), and with ``alternatives``:
+    ``best_other`` (the fastest other layout that fits, by the model, at the run's batch and micro-batch)
+    and ``best_other_ratio`` (its predicted speed over the run's layout's).
+    """
+    priced = [r.price(lay, efficiency) for lay in r.layouts()]
+    mine = max(priced, key=lambda p: p["tokens_per_second"])
+    gpus = r.record["cluster"]["gpus"]
+    out = {"name": r.name, "layout": mine["layout"], "fits": mine["fits"], "memory_gb": mine["memory"]["total"] / 1e9,
+           "measured": r.measured_tokens_per_s_per_gpu, "predicted": mine["tokens_per_second"] / gpus}
+    out["ratio"] = out["predicted"] / out["measured"]
+    out["exempt"] = dict(r.record.get("exempt", {}))
+    if alternatives:
+        s = r.setup(efficiency)
+        others = advise.advise(r.params, shape=r.shape, cluster=r.cluster, micro_batch=s.micro_batch,
+                               seq_len=s.seq_len, global_batch=s.global_batch, precision=s.precision,
+                               recompute=s.recompute, efficiency=efficiency, flash_attention=s.flash_attention)
+        fitting = [row for row in others.priced if row["fits"] is True and row["strategy"] != mine["layout"]]
+        best = max(fitting, key=lambda row: row["tokens_per_second"], default=None)
+        out["best_other"] = best["strategy"] if best else None
+        out["best_other_ratio"] = best["tokens_per_second"] / mine["tokens_per_second"] if best else None
+    return out
+
+
+def fitted_efficiency(r: Run) -> float:
+    """The ``efficiency`` at which the model predicts ``r``'s measured throughput exactly (bisection)."""
+    low, high = 0.05, 1.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        if compare(r, mid, alternatives=False)["ratio"] < 1:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def fitted_efficiencies() -> dict[str, list[float]]:
+    """``fitted_efficiency`` of every run whose throughput is checked, by GPU family."""
+    out: dict[str, list[float]] = {}
+    for r in runs():
+        if not r.exempt("throughput"):
+            out.setdefault(r.family, []).append(fitted_efficiency(r))
+    return out
+
+
+def median_efficiencies() -> tuple[dict[str, float], float]:
+    """The medians of ``fitted_efficiencies`` by GPU family, and over every run: where ``cost.EFFICIENCY`` and
+    ``cost.DEFAULT_EFFICIENCY`` come from."""
+    fitted = fitted_efficiencies()
+    return ({k: statistics.median(v) for k, v in fitted.items()},
+            statistics.median([e for v in fitted.values() for e in v]))
+
+
+def held_out(r: Run, fitted: dict[str, list[float]] | None = None) -> dict[str, Any]:
+    """``compare(r)`` with the efficiency fitted to every *other* run on its GPU family (or to every other run
+    when it has none): a prediction the run itself took no part in."""
+    fitted = fitted if fitted is not None else fitted_efficiencies()
+    mine = fitted_efficiency(r) if not r.exempt("throughput") else None
+    same = list(fitted.get(r.family, []))
+    if mine is not None and mine in same:
+        same.remove(mine)
+    pool = same or [e for k, v in fitted.items() for e in v if e != mine]
+    return compare(r, statistics.median(pool), alternatives=False)
+
+
+def table(efficiency: float | None = None) -> list[dict[str, Any]]:
+    """``compare`` for every run, in the file's order."""
+    return [compare(r, efficiency) for r in runs()]
+
+
+def format_table(rows: list[dict[str, Any]] | None = None) -> str:
+    """The comparison as a Markdown table (what the README shows)."""
+    rows = rows if rows is not None else table()
+    lines = ["| run | layout priced | fits | measured tokens/s/GPU | predicted | predicted / measured | fastest other "
+             "layout (model) |", "|---|---|---|---:|---:|---:|---|"]
+    for row in rows:
+        other = (f"{row['best_other']}: {row['best_other_ratio']:.2f}x" if row.get("best_other") else "none fits")
+        fits = "yes" if row["fits"] else ("not checked" if "fits" in row["exempt"] else "no")
+        ratio = f"{row['ratio']:.2f}" + (" (not checked)" if "throughput" in row["exempt"] else "")
+        lines.append(f"| {row['name']} | {row['layout']} | {fits} | {row['measured']:,.0f} | "
+                     f"{row['predicted']:,.0f} | {ratio} | {other} |")
+    return "\n".join(lines)

@@ -1,0 +1,228 @@
+"""DDP, ZeRO-3 (DeepSpeed), FSDP2 and the scratch FSDP trained side by side, at M micro-batches per step.
+
+``worker`` (run it with ``dtlab.launch.run(worker, cfg, nprocs=N)``) trains the same small GPT on the same
+batches with each strategy and measures, per optimizer step of M micro-batches:
+
+* the median time of a step, and the bytes that crossed the loopback interface during one (gloo talks TCP
+  over it; NCCL's traffic between GPUs is invisible to it, so ``wire`` is None there);
+* the ingredients a prediction needs, measured in the same processes: one micro-batch's forward and
+  backward without any communication (``compute_s``), and each collective weighed and timed at a small and
+  a large size (bytes and seconds per call and per element: ``wire_cost``, ``time_cost``).
+
+Each strategy accumulates gradients the way it does in practice: DDP under ``no_sync`` until the last
+micro-batch; FSDP2 reduce-scatters every micro-batch (or, "sync deferred", only the last:
+``set_requires_gradient_sync``); the scratch FSDP synchronises after every backward; DeepSpeed's ZeRO-3 with
+``gradient_accumulation_steps = M``. Notebook 18 sets the result beside ``dtlab.planner.cost``'s prediction
+for the same configuration.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+#: The strategies ``worker`` can train, in the order it trains them.
+STRATEGIES = ("DDP", "ZeRO-3 (DeepSpeed)", "FSDP2", "FSDP2, sync deferred", "scratch FSDP")
+
+
+def make_model(cfg: dict):
+    """The small GPT every strategy trains (untied head, so each weight is one tensor)."""
+    import torch
+
+    from dtlab import models
+
+    torch.manual_seed(0)
+    return models.TinyGPT(vocab_size=cfg["vocab"], block_size=cfg["block"], n_layer=cfg["n_layer"],
+                          n_head=cfg["n_head"], n_embd=cfg["n_embd"], tie_weights=False)
+
+
+def worker(cfg: dict) -> dict[str, Any]:
+    """Train every strategy of ``cfg["strategies"]`` at each M of ``cfg["micro_batches"]``; see the module help.
+
+    ``cfg``: ``backend``, ``device``, the model (``n_layer``, ``n_embd``, ``n_head``, ``vocab``, ``block``),
+    ``batch`` (sequences per micro-batch, all ranks together), ``micro_batches``, ``time_steps``, ``strategies``.
+    """
+    import logging
+    import warnings
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import logger
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dtlab import data, ds_config, fsdp2
+    from dtlab.bandwidth import loopback_bytes
+    from dtlab.distributed import all_gather_single, local_device, reduce_scatter_single
+    from dtlab.parallel.fsdp import ScratchFSDP
+
+    logger.setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    warnings.filterwarnings("ignore", message=".* is deprecated. Please use .*_single")
+    deepspeed.init_distributed(dist_backend=cfg["backend"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = local_device(cfg["device"])
+    per_rank = cfg["batch"] // world
+    most = max(cfg["micro_batches"])
+    x, y = data.synthetic_tokens(most * cfg["batch"], cfg["block"], cfg["vocab"], seed=1).tensors
+    x = x.reshape(most, cfg["batch"], -1)[:, rank * per_rank:(rank + 1) * per_rank].to(dev)
+    y = y.reshape(most, cfg["batch"], -1)[:, rank * per_rank:(rank + 1) * per_rank].to(dev)
+
+    def wire(work) -> int | None:             # loopback bytes between barriers, the least of three tries
+        best = None
+        for _ in range(3):
+            dist.barrier()
+            before = loopback_bytes()
+            dist.barrier()
+            work()
+            dist.barrier()
+            after = loopback_bytes()
+            if before is None or cfg["backend"] != "gloo":
+                return None
+            best = after - before if best is None else min(best, after - before)
+        return best
+
+    def timed(work, repeats: int) -> float:    # median seconds, each try after a barrier
+        work()
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    collectives = {                            # n: elements of the full tensor
+        "all_reduce": lambda n: dist.all_reduce(torch.ones(n, device=dev)),
+        "all_gather": lambda n: all_gather_single(torch.empty(n, device=dev), torch.ones(n // world, device=dev)),
+        "reduce_scatter": lambda n: reduce_scatter_single(torch.empty(n // world, device=dev),
+                                                           torch.ones(n, device=dev))}
+    small, large, reps = 96 * world, 65536 * world, 5
+    empty = wire(lambda: None)
+    out: dict[str, Any] = {"wire_cost": {}, "time_cost": {}, "results": {}}
+    for op, call in collectives.items():
+        seconds = {n: timed(lambda c=call, n=n: c(n), reps) for n in (small, large)}
+        per = (seconds[large] - seconds[small]) / (large - small)
+        out["time_cost"][op] = {"per_call": max(0.0, seconds[small] - per * small), "per_element": per}
+        if empty is not None:
+            at = {n: (wire(lambda c=call, n=n: [c(n) for _ in range(reps)]) - empty) / reps for n in (small, large)}
+            per = (at[large] - at[small]) / (large - small)
+            out["wire_cost"][op] = {"per_call": at[small] - per * small, "per_element": per}
+
+    plain = make_model(cfg).to(dev)
+    out["compute_s"] = timed(lambda: plain(x[0], y[0])[1].backward(), cfg["time_steps"])
+    out["psi"] = sum(p.numel() for p in plain.parameters())
+
+    def trainer(name: str, m: int):
+        model = make_model(cfg).to(dev)
+        if name == "DDP":
+            ddp = DDP(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+            def step():
+                opt.zero_grad(set_to_none=False)
+                for i in range(m):
+                    if i < m - 1:
+                        with ddp.no_sync():
+                            ddp(x[i], y[i])[1].backward()
+                    else:
+                        ddp(x[i], y[i])[1].backward()
+                opt.step()
+            return step
+        if name.startswith("FSDP2"):
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(cfg["device"], (world,))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            deferred = name.endswith("deferred")
+
+            def step():
+                opt.zero_grad(set_to_none=False)
+                for i in range(m):
+                    if deferred:
+                        model.set_requires_gradient_sync(i == m - 1)
+                    model(x[i], y[i])[1].backward()
+                opt.step()
+            return step
+        if name == "scratch FSDP":
+            sharded = ScratchFSDP(model)
+            opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+
+            def step():
+                opt.zero_grad(set_to_none=False)
+                for i in range(m):
+                    sharded(x[i], y[i])[1].backward()
+                    sharded.finish_gradient_synchronization()
+                opt.step()
+            return step
+        config = ds_config.build(stage=3, micro_batch=per_rank, accumulation=m, world_size=world, lr=1e-3)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+        def step():
+            for i in range(m):
+                engine.backward(engine(x[i], y[i])[1])
+                engine.step()                  # updates only at the end of the M micro-batches
+        return step
+
+    for name in cfg["strategies"]:
+        if name.startswith("FSDP2") and not fsdp2.AVAILABLE:
+            continue
+        for m in cfg["micro_batches"]:
+            step = trainer(name, m)
+            out["results"].setdefault(name, {})[m] = {"step_s": timed(step, cfg["time_steps"]), "wire": wire(step)}
+    dist.destroy_process_group()
+    return out
+
+
+def layout_of(name: str, world: int, model):
+    """The planner's layout for a strategy of ``worker``: DDP is ZeRO stage 0; the sharded ones are stage 3, with
+    as many collectives per layer and pass as the implementation makes (FSDP2 one per block, the scratch FSDP and
+    DeepSpeed one per parameter tensor)."""
+    from dtlab.planner import cost
+
+    if name == "DDP":
+        return cost.Layout(dp=world, zero=0)
+    per_block = 1 if name.startswith("FSDP2") else len(list(model.blocks[0].parameters()))
+    return cost.Layout(dp=world, zero=3, defer_grad_sync=name.endswith("deferred"), gathers_per_layer=per_block)
+
+
+def predict(measured: dict[str, Any], cfg: dict, name: str, m: int, world: int) -> dict[str, float]:
+    """What ``dtlab.planner.cost`` predicts for strategy ``name`` at ``m`` micro-batches, priced with this machine's
+    measured ingredients: ``wire`` (loopback bytes per step) and ``step_s`` (seconds per step).
+
+    The bytes are the planner's ``traffic`` (per collective) times the bytes each collective was measured to put
+    on the loopback interface per element (``wire_cost``): gloo's reduce-scatter sends an all-reduce's bytes, so
+    torch's FSDP pays for that; DeepSpeed reduce-scatters with collectives of its own that send a ring's payload
+    (``ring_factor``), so its reduce-scatter is priced as the planner writes it. The time adds ``m`` micro-batches of
+    measured compute and each collective at its measured cost per call and per element, without overlap: on two
+    CPU cores gloo runs on the cores the compute uses (the planner hides communication only on GPUs).
+    """
+    import math
+
+    from dtlab.planner import cost, formulas
+
+    model = make_model(cfg)
+    layout = layout_of(name, world, model)
+    shape = formulas.ModelShape("TinyGPT", cfg["n_layer"], cfg["n_embd"], cfg["n_head"], vocab=cfg["vocab"],
+                                tied=False)
+    setup = cost.Setup(global_batch=world * m, micro_batch=1, seq_len=cfg["block"], precision="fp32")
+    flows = cost.traffic(measured["psi"], shape, layout, setup, m)["dp"]
+    per_tensor = len(list(model.parameters())) - cfg["n_layer"] * len(list(model.blocks[0].parameters()))
+    units = cfg["n_layer"] * layout.gathers_per_layer + (1 if name.startswith("FSDP2") else per_tensor)
+    calls = {"all_reduce": 1, "all_gather": 2 * m * units,
+             "reduce_scatter": (1 if layout.defer_grad_sync else m) * units}
+    wire = seconds = 0.0
+    for op, nbytes in flows.items():
+        elements = nbytes / 4
+        per_byte = measured["wire_cost"].get(op, {}).get("per_element")
+        if name.startswith("ZeRO-3") and op == "reduce_scatter":
+            per_byte = 4 * formulas.ring_factor(world, op) * world
+        wire += elements * (per_byte if per_byte is not None else math.nan)
+        t = measured["time_cost"][op]
+        seconds += calls[op] * t["per_call"] + elements * t["per_element"]
+    return {"wire": wire, "step_s": m * measured["compute_s"] + seconds}

@@ -1,0 +1,128 @@
+"""The cost model: traffic where the strategies send it, recomputation's compute, links shared by the groups that
+use them, memory by part, and layouts that cannot run refused with the fix. Its numbers against published runs are
+tests/test_published_runs.py; against runs on this machine, tests/test_planner_measured.py."""
+
+import pytest
+
+from dtlab import hardware
+from dtlab.planner import cost, formulas
+from dtlab.planner.cost import Layout, LayoutError, Setup
+
+G5X4 = hardware.cluster("g5.12xlarge x4")
+SEVEN = formulas.model_shape(7e9)
+
+
+def price(layout, micro_batches=1, cluster=G5X4, **setup):
+    return cost.cost(7e9, layout, cluster, Setup(global_batch=layout.dp * micro_batches, **setup), SEVEN)
+
+
+def test_zero3_gathers_and_reduces_every_micro_batch_ddp_once_per_step():
+    # The issue's probe: ZeRO-3's communication was 7.875 s at 1 and at 32 micro-batches per step.
+    one, many = price(Layout(dp=16, zero=3)), price(Layout(dp=16, zero=3), 32)
+    assert many["bytes_sent"]["dp"] == pytest.approx(32 * one["bytes_sent"]["dp"])
+    z3 = many["seconds"]["comm_exposed"] + many["seconds"]["comm_hidden"]
+    assert z3 == pytest.approx(32 * (one["seconds"]["comm_exposed"] + one["seconds"]["comm_hidden"]))
+    ddp1, ddp32 = price(Layout(dp=16, zero=0)), price(Layout(dp=16, zero=0), 32)
+    assert ddp32["bytes_sent"]["dp"] == ddp1["bytes_sent"]["dp"]        # no_sync: one all-reduce per step
+    # per micro-batch a GPU sends (N-1)/N of its 16-bit parameters twice (gathers) and of its gradients once
+    assert one["bytes_sent"]["dp"] == pytest.approx(3 * 15 / 16 * 2 * 7e9)
+    assert ddp1["bytes_sent"]["dp"] == pytest.approx(2 * 15 / 16 * 2 * 7e9)   # 1.5x: ZeRO-3 over DDP at M = 1
+
+
+def test_zero2_reduce_scatters_every_micro_batch_and_gathers_once():
+    one, four = price(Layout(dp=16, zero=2)), price(Layout(dp=16, zero=2), 4)
+    per_rs = 15 / 16 * 2 * 7e9
+    assert four["bytes_sent"]["dp"] - one["bytes_sent"]["dp"] == pytest.approx(3 * per_rs)
+
+
+def test_deferred_gradient_sync_reduces_once_and_holds_whole_gradients():
+    every, deferred = price(Layout(dp=16, zero=3), 8), price(Layout(dp=16, zero=3, defer_grad_sync=True), 8)
+    per = 15 / 16 * 2 * 7e9
+    assert every["bytes_sent"]["dp"] - deferred["bytes_sent"]["dp"] == pytest.approx(7 * per)
+    assert deferred["memory"]["grads"] == 2 * 7e9 and every["memory"]["grads"] == pytest.approx(2 * 7e9 / 16)
+    with pytest.raises(LayoutError, match="Fix"):
+        Layout(dp=16, zero=2, defer_grad_sync=True)
+
+
+def test_overlap_hides_ddps_all_reduce_behind_the_last_micro_batch_only():
+    # exposed = all-reduce - one micro-batch's backward, whatever the number of micro-batches
+    one, eight = price(Layout(dp=16, zero=0)), price(Layout(dp=16, zero=0), 8)
+    assert one["seconds"]["comm_exposed"] == pytest.approx(eight["seconds"]["comm_exposed"])
+    assert one["seconds"]["comm_exposed"] > 0
+
+
+def test_recomputation_costs_compute():
+    base = {m: price(Layout(dp=16, zero=3), recompute=m) for m in formulas.RECOMPUTE}
+    f = formulas.training_flops(2048, SEVEN, 2048, "full", 7e9)
+    assert base["full"]["seconds"]["compute"] / base["none"]["seconds"]["compute"] == pytest.approx(
+        f.hardware / f.model)
+    assert 1.25 < f.hardware / f.model < 1.34                        # about one more forward pass of the layers
+    assert base["none"]["seconds"]["compute"] < base["selective"]["seconds"]["compute"] < \
+        base["full"]["seconds"]["compute"]
+    for r in base.values():                                          # MFU counts the model's FLOPs only
+        assert r["mfu"] <= r["hfu"] <= cost.efficiency_for(G5X4.gpu)[0] + 1e-12
+
+
+def test_a_nodes_network_is_shared_by_the_groups_that_cross_it():
+    # TP4 x DP4 on 4 nodes of 4: four DP groups, each with one GPU per node, push their rings through each NIC
+    crossing = (cost.collective_seconds(1e9, "all_reduce", 1, 4, G5X4)
+                - cost.collective_latency("all_reduce", 1, 4, G5X4))
+    alone = formulas.ring_factor(4) * 1e9 / (G5X4.inter_node_gbs * 1e9)
+    assert crossing == pytest.approx(4 * alone)
+    # one DP group over all 16 GPUs: its 4 members on a node split the tensor, the NIC carries it once
+    whole = (cost.collective_seconds(1e9, "all_reduce", 4, 4, G5X4)
+             - cost.collective_latency("all_reduce", 4, 4, G5X4))
+    assert whole == pytest.approx(formulas.ring_factor(4) * 1e9 / (10e9) + alone)
+
+
+def test_collective_latency_is_nccls_ring_model():
+    # NCCL's tuning.cc: base + (steps - network steps) x intra + network steps x network latency (Simple protocol)
+    a100 = hardware.cluster("p4d.24xlarge x4")
+    lat = cost.collective_latency("all_gather", 8, 4, a100)
+    us = cost.NCCL_LATENCY_US
+    assert lat == pytest.approx((us["base"] + (31 - 3) * us["nvlink"] + 3 * us["network"]) * 1e-6)
+    assert cost.collective_latency("all_gather", 1, 1, a100) == 0
+
+
+def test_the_bubble_is_its_share_of_the_pipelines_time():
+    piped = price(Layout(dp=4, pp=4), 32)
+    s = piped["seconds"]
+    pipeline = s["total"] - s["by_dimension"]["dp"] - s["offload"]     # what the pipeline's schedule spans
+    assert s["bubble"] / pipeline == pytest.approx(3 / (32 + 3))      # (P - 1) / (M + P - 1)
+    v2 = price(Layout(dp=4, pp=4, virtual=2), 32)["seconds"]
+    assert v2["bubble"] / (v2["total"] - v2["by_dimension"]["dp"]) == pytest.approx(3 / (2 * 32 + 3))
+
+
+def test_memory_by_part():
+    z3 = price(Layout(dp=16, zero=3))["memory"]
+    assert z3["params"] == pytest.approx(2 * 7e9 / 16) and z3["optimizer"] == pytest.approx(12 * 7e9 / 16)
+    assert z3["buffers"] == 2 * 2 * SEVEN.layer_params                 # the layer computed and the one prefetched
+    tp = price(Layout(dp=4, tp=4))["memory"]
+    ddp = price(Layout(dp=16, zero=0))["memory"]
+    assert tp["activations"] == pytest.approx(ddp["activations"] / 4)
+    assert z3["total"] == pytest.approx(sum(v for k, v in z3.items() if k not in ("total", "cpu")))
+
+
+ODD = formulas.ModelShape("36 heads", 32, 4032, 36)
+
+
+@pytest.mark.parametrize("layout, cluster, batch, shape, words", [
+    (Layout(dp=32), G5X4, 32, SEVEN, "needs 32 GPUs"),
+    (Layout(dp=8), G5X4, 8, SEVEN, "uses 8 of"),
+    (Layout(dp=4, tp=3), hardware.cluster("g5.12xlarge x3"), 4, SEVEN, "straddle"),
+    (Layout(dp=2, tp=8), G5X4, 3, SEVEN, "does not divide into DP 2"),
+    (Layout(dp=2, tp=8), G5X4, 2, ODD, "36 heads do not divide by TP 8"),
+    (Layout(pp=16), G5X4, 1, SEVEN, "at least 2"),
+    (Layout(pp=8, dp=2), G5X4, 1, SEVEN, "larger than global_batch"),
+])
+def test_layouts_that_cannot_run_are_refused_with_the_fix(layout, cluster, batch, shape, words):
+    micro = 2 if words == "larger than global_batch" else 1
+    with pytest.raises(LayoutError, match=words) as err:
+        cost.cost(7e9, layout, cluster, Setup(global_batch=batch, micro_batch=micro), shape)
+    assert "Fix" in str(err.value)
+
+
+def test_a_cluster_without_speeds_prices_memory_only():
+    bare = hardware.custom_cluster(16, 80)
+    r = cost.cost(7e9, Layout(dp=16, zero=3), bare, Setup(global_batch=16), SEVEN)
+    assert r["seconds"] is None and r["tokens_per_second"] is None and r["memory"]["total"] > 0
