@@ -153,7 +153,7 @@ def resolve_cluster(cluster: str | hardware.Cluster | None = None, gpus: int | N
     if gpu is not None:
         kind = hardware.gpu(gpu)
         n = gpus or 1
-        per_node = hand.get("gpus_per_node") or min(n, 8)
+        per_node = hand.get("gpus_per_node") or next(d for d in (8, 4, 2, 1) if n % d == 0)
         return hardware.custom_cluster(n, gpu_mem_gb or kind.memory_bytes / formulas.GB, per_node,
                                        hand.get("tflops") or kind.bf16_tflops or kind.fp16_tflops, kind.bf16,
                                        hand.get("intra_node_gbs") or 0.0, hand.get("inter_node_gbs") or 0.0,
