@@ -7,7 +7,7 @@ part is this rank's slice (dimension 0 split N ways). The lessons need three rea
   has torch 2.3, where only the ``torch.distributed._composable`` prototype exists, without
   ``CPUOffloadPolicy``): ``require()`` raises a ``RuntimeError`` that names the version.
 * ``held_elements(model, optimizer)`` — elements this rank keeps: parameters, gradients and
-  optimizer state (the local parts of the DTensors), comparable with ``dtlab.memory``'s formulas.
+  optimizer state (the local parts of the DTensors), comparable with ``dtlab.planner.formulas``.
 * ``unsharded_elements(model)`` — parameter elements currently gathered in full (after a forward
   with ``reshard_after_forward=False`` they stay; with ``True`` they are freed).
 * ``full_state(model)`` — the whole model as plain tensors on every rank (a collective).

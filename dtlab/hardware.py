@@ -1,6 +1,6 @@
 """Facts about hardware, in one place: GPUs, AWS GPU instances, and the clusters the course describes.
 
-The memory model (``dtlab.memory``), the cluster validator (``dtlab.clusters``), the command line and
+The planner (``dtlab.planner``), the cluster validator (``dtlab.clusters``), the command line and
 the notebooks read their numbers from here, so a figure is corrected once::
 
     from dtlab import hardware
@@ -40,7 +40,7 @@ class GPU:
     ``memory_bytes`` is the total memory nvidia-smi reports (with ECC on, as on AWS): an upper bound
     on what training can use. CUDA itself reports slightly less (``torch.cuda.mem_get_info``; on an
     A10G about 22,600-22,700 MiB of nvidia-smi's 23,028), and the CUDA context, communication
-    buffers and fragmentation take more: ``dtlab.memory`` keeps a headroom for all of that.
+    buffers and fragmentation take more: ``dtlab.planner`` keeps a headroom for all of that.
     ``datasheet_gb`` is the figure printed on the datasheet ("24 GB"), for labels only.
     """
 
@@ -257,7 +257,7 @@ CLUSTERS: dict[str, Cluster] = {
     "g5.12xlarge x4": Cluster("g5.12xlarge x4", NODE_TYPES["g5.12xlarge"], 4, "clusters/g5-12xlarge-4-nodes.yml"),
 }
 
-#: The course's cluster: what ``dtlab memory`` and ``dtlab.memory`` assume when told nothing else.
+#: The course's cluster: what ``dtlab advise`` assumes when told nothing else.
 DEFAULT_CLUSTER = "g5.12xlarge"
 
 

@@ -19,7 +19,7 @@ class Offer:
     """What a cluster gives a training job: nodes, GPUs, memory and bandwidths (see ``offers``).
 
     ``gpu_memory_gb`` is the datasheet's label (24 for an A10G); ``gpu_memory_bytes`` is the exact
-    total nvidia-smi reports (23,028 MiB = 24.15 GB), which ``dtlab.memory`` uses.
+    total nvidia-smi reports (23,028 MiB = 24.15 GB), which ``dtlab.planner`` uses.
     """
 
     name: str
@@ -52,7 +52,7 @@ class Offer:
 
     @property
     def cluster(self) -> hardware.Cluster:
-        """The training nodes as a ``dtlab.hardware.Cluster``: pass it to ``dtlab.memory`` as ``cluster=``."""
+        """The training nodes as a ``dtlab.hardware.Cluster``: pass it to ``dtlab.planner.advise.advise`` as ``cluster=``."""
         return hardware.Cluster(self.name or self.node_type, hardware.node(self.node_type), self.nodes)
 
 
