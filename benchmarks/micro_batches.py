@@ -32,7 +32,8 @@ def main() -> None:
     runs = [run(side_by_side.worker, cfg, nprocs=where.nprocs, env=env, timeout=900)[0] for _ in range(args.repeats)]
     print(f"{runs[0]['psi']:,} parameters, {where.nprocs} processes ({where.backend}), {args.repeats} launches, "
           f"one micro-batch's compute {1e3 * statistics.median(r['compute_s'] for r in runs):.1f} ms")
-    print("| strategy | M | step ms | spread | predicted ms | measured / predicted | bytes per step | predicted | error |")
+    print("| strategy | M | step ms | spread | predicted ms | measured / predicted | bytes per step | predicted "
+          "| error |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in runs[0]["results"]:
         for m in cfg["micro_batches"]:

@@ -52,7 +52,7 @@ class Offer:
 
     @property
     def cluster(self) -> hardware.Cluster:
-        """The training nodes as a ``dtlab.hardware.Cluster``: pass it to ``dtlab.planner.advise.advise`` as ``cluster=``."""
+        """The training nodes as a ``dtlab.hardware.Cluster`` (``dtlab.planner.advise.advise``'s ``cluster=``)."""
         return hardware.Cluster(self.name or self.node_type, hardware.node(self.node_type), self.nodes)
 
 
