@@ -101,3 +101,68 @@ def loopback_bytes() -> int | None:
         if name in counters:
             return counters[name].bytes_sent
     return None
+
+
+def loopback_during(work, backend: str, tries: int = 3) -> int | None:
+    """Bytes on the loopback interface while ``work()`` runs on every rank, between barriers; the least of ``tries``
+    (other traffic on the machine only adds). None where gloo is not the backend (NCCL's traffic between GPUs
+    passes no interface counter) or the counter cannot be read. A collective: call it on every rank."""
+    best = None
+    for _ in range(tries):
+        dist.barrier()
+        before = loopback_bytes()
+        dist.barrier()
+        work()
+        dist.barrier()
+        after = loopback_bytes()
+        if before is None or backend != "gloo":
+            return None
+        best = after - before if best is None else min(best, after - before)
+    return best
+
+
+def collective_costs(device: torch.device | str, backend: str, ops: tuple[str, ...] = ("all_reduce", "all_gather",
+                     "reduce_scatter"), reps: int = 5) -> dict[str, dict[str, dict[str, float]]]:
+    """Weigh and time each collective of ``ops`` on the current process group at a small and a large size.
+
+    Returns ``{"wire": {op: {"per_call", "per_element"}}, "time": {op: {"per_call", "per_element"}}}``: loopback
+    bytes (empty off gloo) and seconds, per call and per element of the full tensor (the all-reduce's, the
+    all-gather's output, the reduce-scatter's input, the all-to-all's), from a line through the two sizes — as
+    notebook 08 fits latency and bandwidth. A prediction in elements becomes bytes and seconds on this machine.
+    """
+    from dtlab.distributed import all_gather_single, reduce_scatter_single
+
+    device, world = torch.device(device), dist.get_world_size()
+    calls = {"all_reduce": lambda n: dist.all_reduce(torch.ones(n, device=device)),
+             "all_gather": lambda n: all_gather_single(torch.empty(n, device=device),
+                                                       torch.ones(n // world, device=device)),
+             "reduce_scatter": lambda n: reduce_scatter_single(torch.empty(n // world, device=device),
+                                                               torch.ones(n, device=device)),
+             "all_to_all": lambda n: dist.all_to_all_single(torch.empty(n, device=device),
+                                                            torch.ones(n, device=device))}
+    small, large = 96 * world, 65536 * world
+    empty = loopback_during(lambda: None, backend)
+    out: dict[str, dict[str, dict[str, float]]] = {"wire": {}, "time": {}}
+
+    def line(at: dict[int, float]) -> dict[str, float]:
+        per = (at[large] - at[small]) / (large - small)
+        return {"per_call": max(0.0, at[small] - per * small), "per_element": per}
+
+    for op in ops:
+        call = calls[op]
+        seconds = {}
+        for n in (small, large):
+            call(n)
+            times = []
+            for _ in range(reps):
+                dist.barrier()
+                start = time.perf_counter()
+                call(n)
+                _sync(device)
+                times.append(time.perf_counter() - start)
+            seconds[n] = statistics.median(times)
+        out["time"][op] = line(seconds)
+        if empty is not None:
+            out["wire"][op] = line({n: (loopback_during(lambda c=call, n=n: [c(n) for _ in range(reps)], backend)
+                                        - empty) / reps for n in (small, large)})
+    return out

@@ -130,6 +130,14 @@ def ci_parameters(path: Path) -> dict[str, Any]:
     return dict(meta.get("dtlab", {}).get("ci_parameters", {}))
 
 
+def edge_parameters(path: Path) -> dict[str, Any]:
+    """Values at the edge of what the parameters cell accepts (``metadata.dtlab.edge_parameters``: degrees of 1,
+    the most processes it allows, another node type), which the tests run on top of the CI set: a claim must hold
+    for every value the cell accepts."""
+    meta = json.loads(Path(path).read_text()).get("metadata", {})
+    return dict(meta.get("dtlab", {}).get("edge_parameters", {}))
+
+
 def alt_parameters(path: Path) -> dict[str, Any]:
     """A second parameter set the tests run on top of the CI one (``metadata.dtlab.alt_parameters``)."""
     meta = json.loads(Path(path).read_text()).get("metadata", {})

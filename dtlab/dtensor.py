@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from dtlab.measure import SavedBytes
+
 try:                                                     # torch >= 2.4
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 except ImportError:                                      # torch 2.3
@@ -58,26 +60,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-class SavedActivations:
-    """Count the bytes autograd saves for the backward pass inside ``with SavedActivations() as saved:``.
-
-    ``saved.bytes`` after the block: the sum over saved tensors of their size on this rank (a
-    DTensor counts its local part). Parameters saved by a layer are counted too, identically with
-    and without a parallel plan, so differences between two runs are activations.
-    """
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        self.bytes += local.numel() * local.element_size()
-        return t
-
-    def __enter__(self) -> SavedActivations:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
+class SavedActivations(SavedBytes):
+    """``dtlab.measure.SavedBytes`` under the name notebook 13 uses: the bytes autograd saves for backward
+    inside the ``with`` block, a DTensor counting its local part."""

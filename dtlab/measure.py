@@ -157,3 +157,30 @@ def memory_in_use(device: torch.device | str = "cpu") -> int:
     import psutil
 
     return int(psutil.Process().memory_info().rss)
+
+
+class SavedBytes:
+    """Count the bytes autograd saves for the backward pass inside ``with SavedBytes() as saved:``.
+
+    ``saved.bytes`` after the block: the sum over the tensors saved for backward (by autograd's
+    operations and by ``ctx.save_for_backward``) of their size on this rank (a DTensor counts its local
+    part). Parameters a layer saves are counted too, identically for every schedule or strategy compared,
+    so differences between two runs are activations. On a GPU, ``torch.cuda.max_memory_allocated`` is the
+    other measurement; on a CPU this is the one there is.
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        local = getattr(t, "_local_tensor", t)
+        self.bytes += local.numel() * local.element_size()
+        return t
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)

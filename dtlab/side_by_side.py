@@ -5,6 +5,8 @@ batches with each strategy and measures, per optimizer step of M micro-batches:
 
 * the median time of a step, and the bytes that crossed the loopback interface during one (gloo talks TCP
   over it; NCCL's traffic between GPUs is invisible to it, so ``wire`` is None there);
+* the elements a rank holds after a step (``held``: parameters, gradients, optimizer state; DeepSpeed's
+  fp32 master slice apart, as ``master_weights``);
 * the ingredients a prediction needs, measured in the same processes: one micro-batch's forward and
   backward without any communication (``compute_s``), and each collective weighed and timed at a small and
   a large size (bytes and seconds per call and per element: ``wire_cost``, ``time_cost``).
@@ -53,9 +55,10 @@ def worker(cfg: dict) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dtlab import data, ds_config, fsdp2
-    from dtlab.bandwidth import loopback_bytes
-    from dtlab.distributed import all_gather_single, local_device, reduce_scatter_single
+    from dtlab.bandwidth import collective_costs, loopback_during
+    from dtlab.distributed import local_device
     from dtlab.parallel.fsdp import ScratchFSDP
+    from dtlab.parallel.zero import held_elements
 
     logger.setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -69,20 +72,6 @@ def worker(cfg: dict) -> dict[str, Any]:
     x = x.reshape(most, cfg["batch"], -1)[:, rank * per_rank:(rank + 1) * per_rank].to(dev)
     y = y.reshape(most, cfg["batch"], -1)[:, rank * per_rank:(rank + 1) * per_rank].to(dev)
 
-    def wire(work) -> int | None:             # loopback bytes between barriers, the least of three tries
-        best = None
-        for _ in range(3):
-            dist.barrier()
-            before = loopback_bytes()
-            dist.barrier()
-            work()
-            dist.barrier()
-            after = loopback_bytes()
-            if before is None or cfg["backend"] != "gloo":
-                return None
-            best = after - before if best is None else min(best, after - before)
-        return best
-
     def timed(work, repeats: int) -> float:    # median seconds, each try after a barrier
         work()
         times = []
@@ -93,23 +82,8 @@ def worker(cfg: dict) -> dict[str, Any]:
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    collectives = {                            # n: elements of the full tensor
-        "all_reduce": lambda n: dist.all_reduce(torch.ones(n, device=dev)),
-        "all_gather": lambda n: all_gather_single(torch.empty(n, device=dev), torch.ones(n // world, device=dev)),
-        "reduce_scatter": lambda n: reduce_scatter_single(torch.empty(n // world, device=dev),
-                                                           torch.ones(n, device=dev))}
-    small, large, reps = 96 * world, 65536 * world, 5
-    empty = wire(lambda: None)
-    out: dict[str, Any] = {"wire_cost": {}, "time_cost": {}, "results": {}}
-    for op, call in collectives.items():
-        seconds = {n: timed(lambda c=call, n=n: c(n), reps) for n in (small, large)}
-        per = (seconds[large] - seconds[small]) / (large - small)
-        out["time_cost"][op] = {"per_call": max(0.0, seconds[small] - per * small), "per_element": per}
-        if empty is not None:
-            at = {n: (wire(lambda c=call, n=n: [c(n) for _ in range(reps)]) - empty) / reps for n in (small, large)}
-            per = (at[large] - at[small]) / (large - small)
-            out["wire_cost"][op] = {"per_call": at[small] - per * small, "per_element": per}
-
+    costs = collective_costs(dev, cfg["backend"])
+    out: dict[str, Any] = {"wire_cost": costs["wire"], "time_cost": costs["time"], "results": {}}
     plain = make_model(cfg).to(dev)
     out["compute_s"] = timed(lambda: plain(x[0], y[0])[1].backward(), cfg["time_steps"])
     out["psi"] = sum(p.numel() for p in plain.parameters())
@@ -129,7 +103,7 @@ def worker(cfg: dict) -> dict[str, Any]:
                     else:
                         ddp(x[i], y[i])[1].backward()
                 opt.step()
-            return step
+            return step, lambda: fsdp2.held_elements(model, opt)
         if name.startswith("FSDP2"):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -148,7 +122,7 @@ def worker(cfg: dict) -> dict[str, Any]:
                         model.set_requires_gradient_sync(i == m - 1)
                     model(x[i], y[i])[1].backward()
                 opt.step()
-            return step
+            return step, lambda: fsdp2.held_elements(model, opt)
         if name == "scratch FSDP":
             sharded = ScratchFSDP(model)
             opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
@@ -159,22 +133,35 @@ def worker(cfg: dict) -> dict[str, Any]:
                     sharded(x[i], y[i])[1].backward()
                     sharded.finish_gradient_synchronization()
                 opt.step()
-            return step
+            return step, lambda: fsdp2.held_elements(sharded, opt)
         config = ds_config.build(stage=3, micro_batch=per_rank, accumulation=m, world_size=world, lr=1e-3)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+        grads = {}
 
         def step():
             for i in range(m):
                 engine.backward(engine(x[i], y[i])[1])
+                if i == m - 1:                 # DeepSpeed's gradient shard lives until its step
+                    grads["n"] = held_elements(engine)["grads"]
                 engine.step()                  # updates only at the end of the M micro-batches
-        return step
+
+        def held():
+            ds = held_elements(engine)
+            return {"params": ds["params"], "grads": grads["n"], "optimizer": ds["optimizer_moments"],
+                    "master_weights": ds["master_weights"]}
+        return step, held
 
     for name in cfg["strategies"]:
         if name.startswith("FSDP2") and not fsdp2.AVAILABLE:
             continue
         for m in cfg["micro_batches"]:
-            step = trainer(name, m)
-            out["results"].setdefault(name, {})[m] = {"step_s": timed(step, cfg["time_steps"]), "wire": wire(step)}
+            step, held = trainer(name, m)
+            row = {"step_s": timed(step, cfg["time_steps"]), "wire": loopback_during(step, cfg["backend"]),
+                   "held": held()}
+            if "master_weights" in row["held"]:         # DeepSpeed's fp32 master slice, beside the Adam state
+                row["master_weights"] = row["held"].pop("master_weights")
+            out["results"].setdefault(name, {})[m] = row
     dist.destroy_process_group()
     return out
 

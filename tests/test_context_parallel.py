@@ -1,9 +1,12 @@
-"""Ring attention from scratch (dtlab.parallel.context) must equal attention over the whole sequence.
+"""Ring attention from scratch (dtlab.parallel.context) must equal attention over the whole sequence, and keep for
+backward only its own block.
 
 Every rank builds the same q, k, v and output weights for the whole sequence; the reference is
 ``scaled_dot_product_attention`` on all of it in the same process, and the loss a fixed weighted
 sum of the output. Each rank keeps its part of the sequence (contiguous or zig-zag), runs the ring,
-and compares its output part and the gradients of its q, k and v parts (fp32, within 1e-5).
+and compares its output part and the gradients of its q, k and v parts (fp32, within 1e-5). The bytes
+autograd saves for backward are counted with saved-tensor hooks, for the ring and for the naive ring
+that lets autograd keep what it received.
 """
 
 import pytest
@@ -13,60 +16,88 @@ import torch.nn.functional as F
 from dtlab.launch import run
 from dtlab.parallel import context as cpmod
 
-B, H, T, D = 2, 2, 16, 8
+B, H, T, D = 2, 2, 24, 8
 
 
 def ring_worker() -> dict:
     import torch.distributed as dist
 
+    from dtlab.measure import SavedBytes
+
     dist.init_process_group("gloo")
-    cp = cpmod.ContextGroup()
+    cp = cpmod.ContextGroup(record_timeline=True)
     g = torch.Generator().manual_seed(0)
     q, k, v, w = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
-    out = {"rank": cp.rank}
+    out = {"rank": cp.rank, "local_qkv_bytes": 3 * q.numel() // cp.size * q.element_size()}
     for causal in (True, False):
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         reference = F.scaled_dot_product_attention(*full, is_causal=causal)
         (reference * w).sum().backward()
         for layout in cpmod.LAYOUTS:
             part = lambda t, lay=layout: cpmod.split_sequence(t, cp, dim=2, layout=lay)  # noqa: E731
-            mine = [part(t.detach()).requires_grad_() for t in full]
-            cp.counts.clear()
-            result = cpmod.ring_attention(*mine, cp, causal=causal, layout=layout)
-            (result * part(w)).sum().backward()
-            diffs = [(result - part(reference.detach())).abs().max().item()]
-            diffs += [(m.grad - part(f.grad)).abs().max().item() for m, f in zip(mine, full)]
-            whole_again = cpmod.gather_sequence(result.detach(), cp, dim=2, layout=layout)
-            out[(causal, layout)] = {"max_diff": max(diffs), "ring_steps": cp.counts["ring_steps"],
-                                     "work": cp.counts["work"],
-                                     "gathered": (whole_again - reference.detach()).abs().max().item()}
+            for name, attention in (("ring", cpmod.ring_attention), ("naive", cpmod.naive_ring_attention)):
+                mine = [part(t.detach()).requires_grad_() for t in full]
+                cp.counts.clear()
+                cp.timeline.clear()
+                with SavedBytes() as saved:
+                    result = attention(*mine, cp, causal=causal, layout=layout)
+                (result * part(w)).sum().backward()
+                diffs = [(result - part(reference.detach())).abs().max().item()]
+                diffs += [(m.grad - part(f.grad)).abs().max().item() for m, f in zip(mine, full)]
+                whole_again = cpmod.gather_sequence(result.detach(), cp, dim=2, layout=layout)
+                out[(name, causal, layout)] = {
+                    "max_diff": max(diffs), "ring_steps": cp.counts["ring_steps"], "work": cp.counts["work"],
+                    "saved": saved.bytes, "timeline": list(cp.timeline),
+                    "gathered": (whole_again - reference.detach()).abs().max().item()}
     dist.destroy_process_group()
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["N=2", "N=4"])
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=["N=2", "N=3", "N=4"])
 def ranks(request):
     return request.param, run(ring_worker, nprocs=request.param, timeout=180)
 
 
+@pytest.mark.parametrize("name", ["ring", "naive"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("layout", cpmod.LAYOUTS)
-def test_ring_attention_equals_whole_sequence_attention(ranks, causal, layout):
+def test_ring_attention_equals_whole_sequence_attention(ranks, name, causal, layout):
     n, results = ranks
     for r in results:
-        assert r[(causal, layout)]["max_diff"] <= 1e-5, r[(causal, layout)]
-        assert r[(causal, layout)]["gathered"] <= 1e-5
-        assert r[(causal, layout)]["ring_steps"] == n - 1
+        assert r[(name, causal, layout)]["max_diff"] <= 1e-5, r[(name, causal, layout)]
+        assert r[(name, causal, layout)]["gathered"] <= 1e-5
+        assert r[(name, causal, layout)]["ring_steps"] == n - 1
+
+
+def test_the_ring_keeps_its_own_block_for_backward_the_naive_one_the_whole_sequence(ranks):
+    n, results = ranks
+    for r in results:
+        local = r["local_qkv_bytes"]
+        ring = max(r[("ring", c, lay)]["saved"] for c in (True, False) for lay in cpmod.LAYOUTS)
+        assert ring <= 1.5 * local, (ring, local)        # q, k, v, the output and the log-sum-exp: 4/3 + 1/(3D)
+        naive = r[("naive", False, "contiguous")]["saved"]
+        assert naive >= n * local / 2, (naive, local)    # every received K/V block and each step's probabilities
+
+
+def test_the_next_block_is_posted_before_the_compute_and_waited_for_after(ranks):
+    n, results = ranks
+    for r in results:
+        for phase in ("forward", "backward"):
+            events = [e for e in r[("ring", False, "contiguous")]["timeline"] if e["pass"] == phase]
+            whats = [e["what"] for e in events]
+            assert whats == ["compute", "wait"] * (n - 1) + ["compute"], whats
+            for compute, wait in zip(events[::2], events[1::2]):
+                assert compute["end"] <= wait["start"]
 
 
 def test_causal_work_is_unbalanced_contiguous_and_even_zigzag(ranks):
     n, results = ranks
-    contiguous = [r[(True, "contiguous")]["work"] for r in results]
-    zigzag = [r[(True, "zigzag")]["work"] for r in results]
+    contiguous = [r[("ring", True, "contiguous")]["work"] for r in results]
+    zigzag = [r[("ring", True, "zigzag")]["work"] for r in results]
     c = T // n
     assert contiguous == [B * H * (r * c * c + c * (c + 1) // 2) for r in range(n)]   # rank r: r blocks + the diagonal
     assert len(set(zigzag)) == 1 and sum(zigzag) == sum(contiguous) == B * H * T * (T + 1) // 2
-    full = [r[(False, "contiguous")]["work"] for r in results]
+    full = [r[("ring", False, "contiguous")]["work"] for r in results]
     assert full == [B * H * c * T] * n
 
 

@@ -243,11 +243,39 @@ def test_each_rank_holds_its_slices_and_the_replicated_parameters_exactly():
     assert sharded < sum(p.numel() for p in model.parameters() if p.dim() == 2) / 2
 
 
-def test_full_weights_exist_one_layer_at_a_time():
-    model = make_model("mixed")
-    sizes = sorted((p.numel() * 4 for p in model.parameters() if p.dim() == 2), reverse=True)
-    peak = run(train_fsdp, "mixed", nprocs=2)[0]["peak_gathered_bytes"]
-    assert sizes[0] <= peak <= sizes[0] + sizes[1] < sum(sizes), "at most two layers at once, never the model"
+def peak_of_eight_layers(prefetch_everything: bool) -> dict:
+    """Train 8 equal linear layers one step with the scratch FSDP (or with a copy that prefetches every layer at
+    once, the bug the count must catch) and return the peak of gathered bytes, buffers in flight included."""
+    import torch.distributed as dist
+
+    from dtlab.parallel.fsdp import ScratchFSDP
+
+    class PrefetchAll(ScratchFSDP):
+        def _before_layer(self, m, args, kwargs):
+            for upcoming in self._order[len(self._calls) + 1:]:
+                if upcoming is not m and upcoming not in self._prefetched:
+                    self._prefetched[upcoming] = self._start_gather(self._layer_shards(upcoming)[1])
+            return super()._before_layer(m, args, kwargs)
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32, bias=False) for _ in range(8)])
+    fsdp = (PrefetchAll if prefetch_everything else ScratchFSDP)(model)
+    for _ in range(2):                                # the first forward learns the order; the second prefetches
+        fsdp(torch.randn(4, 32)).sum().backward()
+        fsdp.finish_gradient_synchronization()
+    out = {"peak": fsdp.peak_gathered_bytes, "after": fsdp.gathered_bytes}
+    dist.destroy_process_group()
+    return out
+
+
+def test_full_weights_and_buffers_in_flight_span_about_one_layer_never_the_model():
+    layer = 32 * 32 * 4
+    right = run(peak_of_eight_layers, False, nprocs=2)[0]
+    assert right["after"] == 0
+    assert 2 * layer <= right["peak"] <= 3 * layer, "a layer, its buffer, and the next one's gather in flight"
+    wrong = run(peak_of_eight_layers, True, nprocs=2)[0]
+    assert wrong["peak"] > 3 * layer, "a prefetch of every layer is caught by the count"
 
 
 def test_collectives_per_step_one_gather_per_use_each_way_one_reduce_scatter_per_weight():

@@ -31,6 +31,25 @@ def test_notebook_holds_with_other_parameters_and_its_solutions_work(notebook, t
     check_second_run(notebook, tmp_path)
 
 
+EDGE = [nb for nb in NOTEBOOKS if course.edge_parameters(nb)]
+#: Part 2 notebooks without an edge-of-range run, and why.
+NO_EDGE_RUN = {"17": "each Ray Train fit costs 15-40 s of fixed start-up on 2 cores; its one run (with solutions) "
+                     "already takes 3 minutes of make test"}
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("notebook", EDGE, ids=[nb.stem for nb in EDGE])
+def test_notebook_holds_at_the_edge_of_its_parameters(notebook, tmp_path):
+    """Degrees of 1, the most processes the notebook allows, another node type: its claims hold there too."""
+    check_result(course.run_one(notebook, tmp_path, course.edge_parameters(notebook), ci=True, stream=False),
+                 notebook)
+
+
+def test_every_part_2_notebook_has_an_edge_of_range_run():
+    part_2 = [nb for nb in NOTEBOOKS if int(nb.stem[:2]) >= 12 and nb.stem[:2] not in NO_EDGE_RUN]
+    assert part_2 and all(nb in EDGE for nb in part_2), [nb.stem for nb in part_2 if nb not in EDGE]
+
+
 def test_every_notebook_has_its_second_run_on_one_stack():
     newest, runtime = second_runs("newest"), second_runs("runtime")
     once = [nb for nb in NOTEBOOKS if run_once(nb)]

@@ -3,24 +3,31 @@
 Attention needs every query to meet every key. Split the sequence over N ranks and each rank holds
 1/N of the queries, keys and values; the keys and values then travel around a ring:
 
-    step 0:     attend my queries to my own key/value block
-    step 1..N-1: send the block I hold to rank+1, receive rank-1's, attend my queries to it
+    step 0:      attend my queries to my own key/value block
+    step 1..N-1: attend them to the block rank - step started with, passed on by my neighbour
 
-After N-1 ring steps every query has met every key, and no rank ever held more than two blocks.
-Each step's partial attention is merged with the running result by the log-sum-exp trick: keep,
-per query, the output so far and the log of its softmax denominator (``lse``); a new block with its
-own ``block_lse`` gives ``new = logaddexp(lse, block_lse)`` and rescales both parts by
-``exp(old - new)``. The result is exactly softmax attention over the whole sequence.
+While a rank computes with the block it holds, the next block is already on its way: each step
+posts the send and receive first and waits for them after its compute, so the transfer hides
+behind the work. Each step's partial attention is merged with the running result by the
+log-sum-exp trick: keep, per query, the output so far and the log of its softmax denominator
+(``lse``); a new block with its own ``block_lse`` gives ``new = logaddexp(lse, block_lse)`` and
+rescales both parts by ``exp(old - new)``. The result is exactly softmax attention over the whole
+sequence.
+
+**Memory.** The forward pass keeps, for backward, only this rank's q, k, v, its output and ``lse``
+(``ring_attention``); the backward pass runs the ring again: for each block it recomputes the
+probabilities from the saved ``lse`` (``p = exp(q k^T * scale - lse)``, as FlashAttention and the
+Ring Attention paper do), adds the block's share of dq, and sends the block's dk and dv on with the
+block, so that after the last step they arrive at the rank that owns it. No rank keeps more than
+its own block, the one it works on and the one in flight. ``naive_ring_attention`` is the same
+forward written with autograd: it is correct too, but autograd saves every received block and each
+step's probabilities — the whole sequence's keys and values on every rank, the memory context
+parallelism exists to remove (notebook 15 measures both).
 
 With a causal mask a query only sees keys at or before its position, so with the sequence cut
 into N contiguous pieces rank r needs only blocks 0..r: later blocks are skipped (no compute), and
 rank N-1 does about 2N-1 times rank 0's work. The **zig-zag** layout gives rank r the chunks r and
 2N-1-r of 2N equal chunks (an early one and a late one), which evens the work out.
-
-The ring pass is an autograd function (forward: send to rank+1, receive from rank-1; backward:
-the gradient goes the other way), so ``loss.backward()`` brings each key/value block's gradient
-home to the rank that owns it. Every rank must run every pass's backward (each is a send and a
-receive), so a rank that skipped a future block still keeps that block in its graph.
 
 Parameters before attention (q/k/v projections) see only their rank's tokens: their gradients are
 summed over the context ranks (and divided by N when each rank's loss is a mean over its own
@@ -29,10 +36,13 @@ tokens), as data parallelism does.
     cp = ContextGroup()                                      # after dist.init_process_group(...)
     q, k, v = (split_sequence(t, cp, dim=2, layout="zigzag") for t in (q_all, k_all, v_all))
     out = ring_attention(q, k, v, cp, causal=True, layout="zigzag")
-    cp.counts                                                # {"ring_steps": N-1, "work": ...}
+    cp.counts                                                # {"ring_steps": ..., "work": ...}
 """
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,32 +52,41 @@ from dtlab.distributed import GroupTally
 LAYOUTS = ("contiguous", "zigzag")
 
 
+@dataclass
 class ContextGroup(GroupTally):
-    """The ranks one sequence is split over, and a tally: ``counts["ring_steps"]`` (forward passes of a
-    block to the next rank), ``counts["work"]`` (query-key scores this rank computed that the mask kept)."""
+    """The ranks one sequence is split over, and a tally: ``counts["ring_steps"]`` (blocks passed to the next rank
+    in the forward pass), ``counts["work"]`` (query-key scores this rank computed that the mask kept).
 
-    def shift(self, x: torch.Tensor, step: int = 1) -> torch.Tensor:
-        """Send ``x`` to rank + step and return what rank - step sent (a ring, wrapping around)."""
+    With ``record_timeline=True`` each step appends ``{"what": "compute"|"wait", "pass": "forward"|"backward",
+    "start", "end"}`` (seconds) to ``timeline``: a transfer that hid behind the compute shows a short wait.
+    """
+
+    record_timeline: bool = False
+    timeline: list = field(default_factory=list)
+
+    def start_shift(self, x: torch.Tensor, step: int = 1) -> tuple[torch.Tensor, list]:
+        """Post the send of ``x`` to rank + step and the receive from rank - step; return the buffer being
+        filled and the pending works (``finish`` waits for them)."""
         received = torch.empty_like(x)
         to, source = self.global_rank((self.rank + step) % self.size), self.global_rank((self.rank - step) % self.size)
         ops = [dist.P2POp(dist.isend, x.contiguous(), to, self.group),
                dist.P2POp(dist.irecv, received, source, self.group)]
-        for work in dist.batch_isend_irecv(ops):
+        return received, dist.batch_isend_irecv(ops)
+
+    def finish(self, works: list) -> None:
+        """Wait for the transfers ``start_shift`` posted."""
+        for work in works:
             work.wait()
+
+    def shift(self, x: torch.Tensor, step: int = 1) -> torch.Tensor:
+        """Send ``x`` to rank + step and return what rank - step sent (a ring, wrapping around)."""
+        received, works = self.start_shift(x, step)
+        self.finish(works)
         return received
 
-
-class _RingPass(torch.autograd.Function):
-    """Forward: pass a block to the next rank. Backward: pass its gradient back to the previous one."""
-
-    @staticmethod
-    def forward(ctx, x, cp):
-        ctx.cp = cp
-        return cp.shift(x, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.cp.shift(grad, -1), None
+    def _log(self, what: str, phase: str, start: float) -> None:
+        if self.record_timeline:
+            self.timeline.append({"what": what, "pass": phase, "start": start, "end": time.perf_counter()})
 
 
 def positions(seq_len: int, cp: ContextGroup | int, rank: int | None = None,
@@ -100,37 +119,134 @@ def gather_sequence(x: torch.Tensor, cp: ContextGroup, dim: int, layout: str = "
     return whole.index_copy(dim, order.to(x.device), torch.cat(parts, dim=dim))
 
 
+def _visible(q: torch.Tensor, cp: ContextGroup, step: int, causal: bool, layout: str) -> torch.Tensor:
+    """Which of this rank's queries see which keys of the block that started on rank - step."""
+    seq_len = q.shape[2] * cp.size
+    mine = positions(seq_len, cp, layout=layout).to(q.device)
+    theirs = positions(seq_len, cp, (cp.rank - step) % cp.size, layout).to(q.device)
+    if causal:
+        return mine[:, None] >= theirs[None, :]
+    return torch.ones(len(mine), len(theirs), dtype=torch.bool, device=q.device)
+
+
+def _ring_forward(q, k, v, cp, causal, layout):
+    scale, low = q.shape[-1] ** -0.5, torch.finfo(q.dtype).min / 2   # low: a "minus infinity" exp() keeps at 0
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], low, dtype=q.dtype, device=q.device)
+    kv = torch.stack([k, v])
+    for step in range(cp.size):
+        if step + 1 < cp.size:
+            arriving, works = cp.start_shift(kv)           # the next block travels while this one is used
+        start = time.perf_counter()
+        visible = _visible(q, cp, step, causal, layout)
+        if visible.any():                                  # a block wholly in the future needs no work
+            cp.counts["work"] += int(visible.sum()) * q.shape[0] * q.shape[1]
+            scores = (q @ kv[0].transpose(-2, -1) * scale).masked_fill(~visible, low)
+            new_lse = torch.logaddexp(lse, torch.logsumexp(scores, dim=-1))
+            out = out * torch.exp(lse - new_lse)[..., None] + torch.exp(scores - new_lse[..., None]) @ kv[1]
+            lse = new_lse
+        cp._log("compute", "forward", start)
+        if step + 1 < cp.size:
+            start = time.perf_counter()
+            cp.finish(works)
+            cp._log("wait", "forward", start)
+            kv = arriving
+            cp.counts["ring_steps"] += 1
+    return out, lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, cp, causal, layout):
+    scale, low = q.shape[-1] ** -0.5, torch.finfo(q.dtype).min / 2
+    delta = (dout * out).sum(-1, keepdim=True)           # softmax's backward needs rowsum(dout * out)
+    dq = torch.zeros_like(q)
+    kv = torch.stack([k, v])
+    dkv = torch.zeros_like(kv)                            # the held block's dk, dv: they travel with it
+    for step in range(cp.size):
+        if step + 1 < cp.size:
+            arriving, works = cp.start_shift(kv)
+        start = time.perf_counter()
+        visible = _visible(q, cp, step, causal, layout)
+        if visible.any():
+            scores = (q @ kv[0].transpose(-2, -1) * scale).masked_fill(~visible, low)
+            p = torch.exp(scores - lse[..., None])        # this block's probabilities, from the saved lse
+            dkv[1] += p.transpose(-2, -1) @ dout          # dv
+            dp = dout @ kv[1].transpose(-2, -1)
+            ds = p * (dp - delta) * scale
+            dq += ds @ kv[0]
+            dkv[0] += ds.transpose(-2, -1) @ q            # dk
+        cp._log("compute", "backward", start)
+        dkv = cp.shift(dkv)                                # on with the block; after the last step: home
+        if step + 1 < cp.size:
+            start = time.perf_counter()
+            cp.finish(works)
+            cp._log("wait", "backward", start)
+            kv = arriving
+    return dq, dkv[0], dkv[1]
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention that saves only this rank's q, k, v, output and log-sum-exp for backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp, causal, layout):
+        out, lse = _ring_forward(q, k, v, cp, causal, layout)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.causal, ctx.layout = cp, causal, layout
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.cp, ctx.causal, ctx.layout)
+        return dq, dk, dv, None, None, None
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextGroup, causal: bool = True,
                    layout: str = "contiguous") -> torch.Tensor:
     """Softmax attention of this rank's queries over the whole sequence's keys and values.
 
     ``q``, ``k``, ``v``: ``(batch, heads, local_len, head_dim)``, this rank's part under ``layout``.
-    Returns this rank's part of the output. Differentiable (gradients reach every rank's k and v).
+    Returns this rank's part of the output. Differentiable: the backward pass runs the ring again and
+    brings each rank's dk and dv home; only this rank's q, k, v, output and log-sum-exp are saved.
     """
-    seq_len = q.shape[2] * cp.size
-    scale = q.shape[-1] ** -0.5
-    mine = positions(seq_len, cp, layout=layout).to(q.device)
-    low = torch.finfo(q.dtype).min / 2                        # "minus infinity" whose exp() and gradient stay 0
+    _check(q.shape[2] * cp.size, cp.size, layout)
+    return _RingAttention.apply(q, k, v, cp, causal, layout)
+
+
+class _RingPass(torch.autograd.Function):
+    """Forward: pass a block to the next rank. Backward: pass its gradient back to the previous one."""
+
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        return cp.shift(x, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.cp.shift(grad, -1), None
+
+
+def naive_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextGroup, causal: bool = True,
+                         layout: str = "contiguous") -> torch.Tensor:
+    """The same attention with autograd doing the backward: simple, exact, and it keeps every block it received
+    and each step's probabilities until backward (for comparison; use ``ring_attention``)."""
+    scale, low = q.shape[-1] ** -0.5, torch.finfo(q.dtype).min / 2
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], low, dtype=q.dtype, device=q.device)
     kv = torch.stack([k, v])
     for step in range(cp.size):
         if step:
-            kv = _RingPass.apply(kv, cp)                       # the block rank - step started with
+            kv = _RingPass.apply(kv, cp)
             cp.counts["ring_steps"] += 1
-        theirs = positions(seq_len, cp, (cp.rank - step) % cp.size, layout).to(q.device)
-        visible = mine[:, None] >= theirs[None, :] if causal else torch.ones(len(mine), len(theirs), dtype=torch.bool,
-                                                                                 device=q.device)
+        visible = _visible(q, cp, step, causal, layout)
         if not visible.any():
-            continue                                           # a block wholly in the future: skip the work
+            continue
         cp.counts["work"] += int(visible.sum()) * q.shape[0] * q.shape[1]
         scores = (q @ kv[0].transpose(-2, -1) * scale).masked_fill(~visible, low)
-        block_lse = torch.logsumexp(scores, dim=-1)
-        new_lse = torch.logaddexp(lse, block_lse)
+        new_lse = torch.logaddexp(lse, torch.logsumexp(scores, dim=-1))
         out = out * torch.exp(lse - new_lse)[..., None] + torch.exp(scores - new_lse[..., None]) @ kv[1]
         lse = new_lse
-    # Each ring pass's backward is a send/receive every rank must take part in, even a rank that skipped the
-    # blocks the last passes brought: a zero term keeps the whole chain of passes in this rank's graph.
+    # each pass's backward is a send/receive every rank takes part in: keep the whole chain in the graph
     return out + 0.0 * kv.sum()
 
 

@@ -114,7 +114,8 @@ class ScratchFSDP(nn.Module):
 
     Counters for the lessons: ``collectives`` (calls per kind), ``elements_moved`` (elements of
     the full tensors each kind of collective produced or consumed), ``gathered_bytes`` (bytes of
-    full weights materialised right now: 0 between steps) and ``peak_gathered_bytes`` (its maximum).
+    full weights materialised right now, the all-gather buffers in flight included: 0 between steps)
+    and ``peak_gathered_bytes`` (its maximum).
 
     Raises:
         RuntimeError: ``dist.init_process_group`` has not been called.
@@ -269,6 +270,7 @@ class ScratchFSDP(nn.Module):
         for shard in shards:
             local = shard.param.detach().to(dtype)
             buffer = torch.empty(local.numel() * self.world_size, dtype=dtype, device=local.device)
+            self._count_gathered(buffer.untyped_storage().nbytes())      # in flight: it counts from now
             started.append((buffer, _all_gather(buffer, local, group=self.group, async_op=True), issued))
             self.collectives["all_gather"] += 1
             self.elements_moved["all_gather"] += buffer.numel()
@@ -298,6 +300,7 @@ class ScratchFSDP(nn.Module):
             handle.wait()
             full = buffer[:shard.numel].view(shard.shape).clone()  # its own allocation, freed after use
             self._count_gathered(full.untyped_storage().nbytes())
+            self.gathered_bytes -= buffer.untyped_storage().nbytes()  # the buffer goes when this loop moves on
             if grad_on and shard.param.requires_grad:
                 full = _Unshard.apply(shard.param, full, self, shard, call)
                 shard.uses += 1
@@ -331,8 +334,9 @@ class ScratchFSDP(nn.Module):
 
     def _drop_prefetched(self) -> None:
         for started in self._prefetched.values():  # gathered for a layer that did not run
-            for _buffer, handle, _issued in started:
+            for buffer, handle, _issued in started:
                 handle.wait()
+                self.gathered_bytes -= buffer.untyped_storage().nbytes()
         self._prefetched = {}
 
     # ---- backward: re-gather, compute, free, reduce-scatter -------------------------------
@@ -352,6 +356,7 @@ class ScratchFSDP(nn.Module):
             full.untyped_storage().resize_(full.numel() * full.element_size())
             self._count_gathered(full.untyped_storage().nbytes())
             full.data.copy_(buffer[:full.numel()].view(full.shape))  # .data: autograd's saved copy sees it
+            self.gathered_bytes -= buffer.untyped_storage().nbytes()
         call.pending, call.regathered = None, True
         if started:
             self._log("all-gather", call.module, started[0][2])

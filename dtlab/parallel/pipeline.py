@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtlab.measure import SavedBytes
+
 Action = tuple[str, int]          # ("F", micro-batch) or ("B", micro-batch)
 
 
@@ -110,12 +112,16 @@ class StepResult:
     """What one ``PipelineStage.step`` did on this rank.
 
     ``losses``: each micro-batch's loss as computed (last stage only; unscaled); ``peak_in_flight``:
-    the most micro-batches whose activations this stage held at once; ``events``: (action,
-    micro-batch, start, end) of each action's compute, seconds from the step's start (after a barrier).
+    the most micro-batches whose activations this stage held at once; ``saved_bytes``: per micro-batch,
+    the bytes its forward saved for backward (saved-tensor hooks: ``dtlab.measure.SavedBytes``), and
+    ``peak_saved_bytes`` the most of those this stage held at once; ``events``: (action, micro-batch,
+    start, end) of each action's compute, seconds from the step's start (after a barrier).
     """
 
     losses: list[float] = field(default_factory=list)
     peak_in_flight: int = 0
+    saved_bytes: dict[int, int] = field(default_factory=dict)
+    peak_saved_bytes: int = 0
     events: list[tuple[str, int, float, float]] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -205,6 +211,7 @@ class PipelineStage:
         pending: list[dist.P2POp] = []
         sent: list = []
         result = StepResult()
+        holding = 0                                    # bytes saved for backward by the micro-batches held
         dist.barrier(group=self.group)
         t0 = time.perf_counter()
 
@@ -237,11 +244,15 @@ class PipelineStage:
                 if not self.first:
                     x.requires_grad_(True)
                 start = time.perf_counter()
-                out = self.module(x)
-                if self.last:
-                    loss = loss_fn(out, targets[m].to(self.device))
-                    result.losses.append(loss.item())
-                    out = loss / m_count if average else loss
+                with SavedBytes() as saved:
+                    out = self.module(x)
+                    if self.last:
+                        loss = loss_fn(out, targets[m].to(self.device))
+                        result.losses.append(loss.item())
+                        out = loss / m_count if average else loss
+                result.saved_bytes[m] = saved.bytes
+                holding += saved.bytes
+                result.peak_saved_bytes = max(result.peak_saved_bytes, holding)
                 self._work(1)
                 result.events.append(("F", m, start - t0, time.perf_counter() - t0))
                 held[m] = (x, out)
@@ -253,6 +264,7 @@ class PipelineStage:
                 x, out = held.pop(m)
                 start = time.perf_counter()
                 torch.autograd.backward(out, grad_tensors=grad)
+                holding -= result.saved_bytes[m]
                 self._work(2)
                 result.events.append(("B", m, start - t0, time.perf_counter() - t0))
                 if not self.first:
