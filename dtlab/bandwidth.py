@@ -121,6 +121,37 @@ def loopback_during(work, backend: str, tries: int = 3) -> int | None:
     return best
 
 
+#: c10d operator names (``torch.ops.c10d``) by the collective they perform.
+_KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "_allgather_base_": "all_gather",
+         "allgather_": "all_gather", "allgather_coalesced_": "all_gather",
+         "allgather_into_tensor_coalesced_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
+         "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+         "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "broadcast_": "broadcast"}
+
+
+def collective_calls(work) -> dict[str, int]:
+    """The collectives ``work()`` calls on this rank, by kind (``all_reduce``, ``all_gather``, ``reduce_scatter``,
+    ``all_to_all``, ``broadcast``; others by their c10d name).
+
+    Counted where torch dispatches them (its ``torch.ops.c10d`` operators), so it sees what any library issues
+    through ``torch.distributed``: DDP's buckets, DeepSpeed's coalesced gathers, FSDP2's groups.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict[str, int] = {}
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                name = func.__name__.split(".")[0]
+                counts[_KIND.get(name, name)] = counts.get(_KIND.get(name, name), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        work()
+    return counts
+
+
 def collective_costs(device: torch.device | str, backend: str, ops: tuple[str, ...] = ("all_reduce", "all_gather",
                      "reduce_scatter"), reps: int = 5) -> dict[str, dict[str, dict[str, float]]]:
     """Weigh and time each collective of ``ops`` on the current process group at a small and a large size.

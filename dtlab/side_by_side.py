@@ -4,7 +4,9 @@
 batches with each strategy and measures, per optimizer step of M micro-batches:
 
 * the median time of a step, and the bytes that crossed the loopback interface during one (gloo talks TCP
-  over it; NCCL's traffic between GPUs is invisible to it, so ``wire`` is None there);
+  over it; NCCL's traffic between GPUs is invisible to it, so ``wire`` is None there), less what the
+  measurement's own barriers send;
+* the collectives one step calls, by kind (``calls``, counted by ``dtlab.bandwidth.collective_calls``);
 * the elements a rank holds after a step (``held``: parameters, gradients, optimizer state; DeepSpeed's
   fp32 master slice apart, as ``master_weights``);
 * the ingredients a prediction needs, measured in the same processes: one micro-batch's forward and
@@ -55,7 +57,7 @@ def worker(cfg: dict) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dtlab import data, ds_config, fsdp2
-    from dtlab.bandwidth import collective_costs, loopback_during
+    from dtlab.bandwidth import collective_calls, collective_costs, loopback_during
     from dtlab.distributed import local_device
     from dtlab.parallel.fsdp import ScratchFSDP
     from dtlab.parallel.zero import held_elements
@@ -84,6 +86,7 @@ def worker(cfg: dict) -> dict[str, Any]:
 
     costs = collective_costs(dev, cfg["backend"])
     out: dict[str, Any] = {"wire_cost": costs["wire"], "time_cost": costs["time"], "results": {}}
+    barriers = loopback_during(lambda: None, cfg["backend"])     # what the measuring itself puts on the wire
     plain = make_model(cfg).to(dev)
     out["compute_s"] = timed(lambda: plain(x[0], y[0])[1].backward(), cfg["time_steps"])
     out["psi"] = sum(p.numel() for p in plain.parameters())
@@ -158,7 +161,9 @@ def worker(cfg: dict) -> dict[str, Any]:
         for m in cfg["micro_batches"]:
             step, held = trainer(name, m)
             row = {"step_s": timed(step, cfg["time_steps"]), "wire": loopback_during(step, cfg["backend"]),
-                   "held": held()}
+                   "calls": collective_calls(step), "held": held()}
+            if row["wire"] is not None:
+                row["wire"] -= barriers
             if "master_weights" in row["held"]:         # DeepSpeed's fp32 master slice, beside the Adam state
                 row["master_weights"] = row["held"].pop("master_weights")
             out["results"].setdefault(name, {})[m] = row
@@ -183,11 +188,16 @@ def predict(measured: dict[str, Any], cfg: dict, name: str, m: int, world: int) 
     measured ingredients: ``wire`` (loopback bytes per step) and ``step_s`` (seconds per step).
 
     The bytes are the planner's ``traffic`` (per collective) times the bytes each collective was measured to put
-    on the loopback interface per element (``wire_cost``): gloo's reduce-scatter sends an all-reduce's bytes, so
-    torch's FSDP pays for that; DeepSpeed reduce-scatters with collectives of its own that send a ring's payload
-    (``ring_factor``), so its reduce-scatter is priced as the planner writes it. The time adds ``m`` micro-batches of
-    measured compute and each collective at its measured cost per call and per element, without overlap: on two
-    CPU cores gloo runs on the cores the compute uses (the planner hides communication only on GPUs).
+    on the loopback interface per element (``wire_cost``), plus each call's fixed bytes for the calls the step was
+    counted making (``calls``; where they could not be counted, payload only). gloo's reduce-scatter sends an
+    all-reduce's bytes, so torch's FSDP pays for that; DeepSpeed reduce-scatters with collectives of its own that
+    send a ring's payload (``ring_factor``), so its reduce-scatter is priced as the planner writes it. FSDP2 gathers
+    its root's parameters once per micro-batch, not twice: the root keeps them from forward to backward
+    (``reshard_after_forward`` is False for the root, as FSDP2 documents).
+
+    The time adds ``m`` micro-batches of measured compute and each collective at its measured cost per call (the
+    counted calls, else one per unit and pass) and per element, without overlap: on two CPU cores gloo runs on the
+    cores the compute uses (the planner hides communication only on GPUs).
     """
     import math
 
@@ -201,8 +211,14 @@ def predict(measured: dict[str, Any], cfg: dict, name: str, m: int, world: int) 
     flows = cost.traffic(measured["psi"], shape, layout, setup, m)["dp"]
     per_tensor = len(list(model.parameters())) - cfg["n_layer"] * len(list(model.blocks[0].parameters()))
     units = cfg["n_layer"] * layout.gathers_per_layer + (1 if name.startswith("FSDP2") else per_tensor)
-    calls = {"all_reduce": 1, "all_gather": 2 * m * units,
-             "reduce_scatter": (1 if layout.defer_grad_sync else m) * units}
+    estimated = {"all_reduce": 1, "all_gather": 2 * m * units,
+                 "reduce_scatter": (1 if layout.defer_grad_sync else m) * units}
+    if name.startswith("FSDP2"):        # the root keeps its weights from forward to backward (FSDP2's default)
+        root = measured["psi"] - sum(p.numel() for p in model.blocks.parameters())
+        flows = {**flows, "all_gather": flows["all_gather"] - m * root * 4}
+        estimated["all_gather"] -= m
+    counted = measured["results"].get(name, {}).get(m, {}).get("calls")
+    calls = {op: (counted or {}).get(op, 0) if counted is not None else estimated[op] for op in flows}
     wire = seconds = 0.0
     for op, nbytes in flows.items():
         elements = nbytes / 4
@@ -210,6 +226,8 @@ def predict(measured: dict[str, Any], cfg: dict, name: str, m: int, world: int) 
         if name.startswith("ZeRO-3") and op == "reduce_scatter":
             per_byte = 4 * formulas.ring_factor(world, op) * world
         wire += elements * (per_byte if per_byte is not None else math.nan)
+        if counted is not None:                          # each call's headers, where the calls were counted
+            wire += calls[op] * measured["wire_cost"].get(op, {}).get("per_call", math.nan)
         t = measured["time_cost"][op]
         seconds += calls[op] * t["per_call"] + elements * t["per_element"]
     return {"wire": wire, "step_s": m * measured["compute_s"] + seconds}
