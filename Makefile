@@ -15,7 +15,7 @@ RPY := $(RUNTIME_VENV)/bin/python
 RUNTIME_UNIT_TESTS ?= tests/test_checkpoint.py tests/test_tracking.py tests/test_spark.py tests/test_launch.py \
 	tests/test_distributed.py tests/test_notebook_widgets.py tests/test_clusters.py tests/test_environment.py \
 	tests/test_data.py tests/test_ds_config.py tests/test_planner_formulas.py tests/test_planner_measured.py \
-	tests/test_package.py tests/test_course.py \
+	tests/test_package.py tests/test_course.py tests/test_jobs.py \
 	tests/test_compat.py tests/test_fsdp.py tests/test_sharded_checkpoint.py tests/test_benchmarks.py \
 	tests/test_tensor_parallel.py tests/test_pipeline.py tests/test_context_parallel.py tests/test_expert_parallel.py \
 	tests/test_composition.py

@@ -3,7 +3,9 @@
 ``databricks.yml`` runs one task per notebook, each after the previous one with ``run_if: ALL_DONE``
 (a failed lesson does not skip the later ones on a cluster you are paying for), and a last task that
 runs ``clusters/job_summary.py``: it reads the run's task states with the Databricks SDK and prints
-this summary (and fails, so the run is marked failed, when a lesson failed).
+this summary (and fails, so the run is marked failed, when a lesson failed). It authenticates with
+``workspace_client``: the task's ``DATABRICKS_HOST``/``DATABRICKS_TOKEN``, else the notebook context's, else
+the runtime's credentials; when none works it says which fix to make.
 
     from dtlab import jobs
     print(jobs.summary([{"task_key": "nb00_environment", "result_state": "SUCCESS"}, ...]))
@@ -28,12 +30,45 @@ def summary(states: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def run_states(run_id: int, skip: str = "job_summary") -> list[dict[str, Any]]:
-    """The states of a job run's tasks (all but ``skip``), read with the Databricks SDK (preinstalled on
-    Databricks; it authenticates from the cluster)."""
+class JobsError(RuntimeError):
+    """The summary task cannot reach the workspace; the message names the fix."""
+
+
+def workspace_client():
+    """A ``databricks.sdk.WorkspaceClient`` that authenticates in a job's task, trying in order:
+
+    1. ``DATABRICKS_HOST`` and ``DATABRICKS_TOKEN`` (the job's ``spark_env_vars``, the token from a secret scope);
+    2. the notebook's context, ``apiUrl`` and ``apiToken`` (present in notebook tasks of job runs; see
+       ``dtlab.tracking.databricks_credentials``);
+    3. the runtime's own credentials, asked for by name (``auth_type="runtime"``): the SDK's default chain
+       tries other methods first and, on some job clusters, fails or builds a host of ``https://None``
+       (databricks-sdk-py issues 202, 317).
+
+    Raises:
+        JobsError: none of them works, naming the fix.
+    """
     from databricks.sdk import WorkspaceClient
 
-    client = WorkspaceClient()
+    from dtlab import tracking
+
+    try:
+        host, token = tracking.databricks_credentials()
+    except tracking.TrackingError:
+        host = token = None
+    try:
+        if host and token:
+            return WorkspaceClient(host=host, token=token)
+        return WorkspaceClient(auth_type="runtime")
+    except Exception as err:   # the SDK's ValueError: "cannot configure default credentials", ...
+        raise JobsError(f"the job summary cannot authenticate to the workspace ({str(err).splitlines()[0]}). Fix: "
+                        "run it as a task of the course's job on Databricks, or give the task DATABRICKS_HOST and "
+                        "DATABRICKS_TOKEN (spark_env_vars, the token from a secret scope: "
+                        "\"{{secrets/<scope>/<key>}}\")") from None
+
+
+def run_states(run_id: int, skip: str = "job_summary", client: Any = None) -> list[dict[str, Any]]:
+    """The states of a job run's tasks (all but ``skip``), read with the Databricks SDK (``workspace_client``)."""
+    client = client or workspace_client()
     run = client.jobs.get_run(run_id)
     states = []
     for task in sorted(run.tasks or [], key=lambda t: t.start_time or 0):
@@ -56,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args or not args[0].isdigit():
         print("usage: job_summary.py <job run id>  (databricks.yml passes {{job.run_id}})", file=sys.stderr)
         return 2
-    states = run_states(int(args[0]))
+    try:
+        states = run_states(int(args[0]))
+    except JobsError as err:
+        print(f"job_summary: {err}", file=sys.stderr)
+        return 2
     print(summary(states))
     return 0 if states and all(s["result_state"] == "SUCCESS" for s in states) else 1

@@ -251,23 +251,68 @@ def load_model(model_uri: str, uri: str | None = None) -> Any:
     return mlflow.pytorch.load_model(model_uri)
 
 
+def databricks_credentials() -> tuple[str, str]:
+    """The workspace URL and an API token for processes this notebook starts, on Databricks.
+
+    In order: ``DATABRICKS_HOST`` and ``DATABRICKS_TOKEN`` when both are set (a job's ``spark_env_vars``
+    from a secret scope, or a service principal's); otherwise the notebook's context: its ``apiUrl`` and
+    ``apiToken`` (present in interactive notebooks and in job runs alike; ``browserHostName``, which
+    earlier code read, is absent in job runs and gave hosts of ``https://None``). The context's token is
+    short-lived (about an hour), enough for a lesson's workers.
+
+    Raises:
+        TrackingError: no host or no token can be found, naming the fix (never a host of ``https://None``).
+    """
+    host, token = os.environ.get("DATABRICKS_HOST", ""), os.environ.get("DATABRICKS_TOKEN", "")
+    if not (host and token):
+        context = _notebook_context()
+        host = host or _usable(getattr(context, "apiUrl", None)) or _usable(getattr(context, "workspaceUrl", None))
+        token = token or _usable(getattr(context, "apiToken", None))
+    if not host or not token:
+        missing = " and ".join(n for n, v in (("a workspace host", host), ("an API token", token)) if not v)
+        raise TrackingError(f"workers cannot log to Databricks: {missing} could not be found (no DATABRICKS_HOST / "
+                            "DATABRICKS_TOKEN, and the notebook context has none). Fix: run this from a notebook or "
+                            "notebook task, or give the job DATABRICKS_HOST and DATABRICKS_TOKEN from a secret scope "
+                            "(spark_env_vars: {DATABRICKS_TOKEN: \"{{secrets/<scope>/<key>}}\"}).")
+    if not host.startswith(("http://", "https://")):
+        host = f"https://{host}"
+    return host.rstrip("/"), token
+
+
+def _usable(value: Any) -> str:
+    """A context field as text: Databricks' fields may be strings, Scala Options (``.get()``) or None."""
+    if callable(value):
+        try:
+            value = value()
+        except Exception:
+            return ""
+    if hasattr(value, "isDefined"):
+        value = value.get() if value.isDefined() else None
+    text = "" if value is None else str(value)
+    return "" if text.lower() in ("", "none", "null") else text
+
+
+def _notebook_context() -> Any:
+    """The notebook's context on Databricks (``dbruntime``'s REPL context), or None."""
+    try:
+        from dbruntime.databricks_repl_context import get_context  # Databricks Runtime 13 and later
+
+        return get_context()
+    except Exception:  # not on Databricks, or a Python task without a notebook
+        return None
+
+
 def worker_env(uri: str | None = None) -> dict[str, str]:
     """Environment variables that let launched workers log to the same store.
 
-    Workers inherit ``os.environ``, not ``mlflow.set_tracking_uri``. On Databricks, workers also
-    need the workspace host and a token; they are read from the notebook's context here and
-    must not be written into code or files.
+    Workers inherit ``os.environ``, not ``mlflow.set_tracking_uri``. On Databricks (tracking URI
+    ``databricks``), workers also need the workspace host and a token: ``databricks_credentials``
+    finds them (never written into code or files), or raises ``TrackingError`` naming the fix.
     """
-    env = {"MLFLOW_TRACKING_URI": uri or default_uri()}
-    if on_databricks():
-        try:
-            from dbruntime.databricks_repl_context import get_context  # Databricks only
-
-            context = get_context()
-            env["DATABRICKS_HOST"] = f"https://{context.browserHostName}"
-            env["DATABRICKS_TOKEN"] = context.apiToken
-        except Exception:  # not in a notebook (e.g. a job's Python task): credentials come from the env
-            pass
+    uri = uri or default_uri()
+    env = {"MLFLOW_TRACKING_URI": uri}
+    if uri.startswith("databricks"):
+        env["DATABRICKS_HOST"], env["DATABRICKS_TOKEN"] = databricks_credentials()
     return env
 
 

@@ -127,3 +127,64 @@ def test_a_local_server_listens_on_localhost_stores_runs_and_leaves_no_process_b
     assert os.path.exists(tmp_path / "mlflow.db")
     gone, alive = psutil.wait_procs(family, timeout=15)
     assert not alive, f"still running after the server stopped: {[p.cmdline() for p in alive]}"
+
+
+class _Option:
+    """What the Java side of dbutils returns: a Scala Option."""
+
+    def __init__(self, value=None):
+        self.value = value
+
+    def isDefined(self):
+        return self.value is not None
+
+    def get(self):
+        return self.value
+
+
+def _job_run_context(monkeypatch, **fields):
+    """Databricks' REPL context module as a job run has it (no browserHostName), for this test only."""
+    import sys
+    import types
+
+    module = types.ModuleType("dbruntime.databricks_repl_context")
+    module.get_context = lambda: types.SimpleNamespace(**fields) if fields else None
+    package = types.ModuleType("dbruntime")
+    package.databricks_repl_context = module
+    monkeypatch.setitem(sys.modules, "dbruntime", package)
+    monkeypatch.setitem(sys.modules, "dbruntime.databricks_repl_context", module)
+
+
+def test_workers_get_the_job_runs_api_url_and_token_never_a_host_of_none(monkeypatch):
+    """Job runs have no browserHostName: the host came out as https://None and the error was swallowed."""
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "15.4")
+    for name in ("DATABRICKS_HOST", "DATABRICKS_TOKEN", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    _job_run_context(monkeypatch, browserHostName=None, workspaceUrl=None, apiUrl="https://dbc-1.cloud.databricks.com",
+                     apiToken="dapi-context")
+    assert tracking.worker_env() == {"MLFLOW_TRACKING_URI": "databricks",
+                                     "DATABRICKS_HOST": "https://dbc-1.cloud.databricks.com",
+                                     "DATABRICKS_TOKEN": "dapi-context"}
+    # Options, as the Java context returns them, and a host without a scheme
+    _job_run_context(monkeypatch, apiUrl=lambda: _Option("dbc-2.cloud.databricks.com/"),
+                     apiToken=lambda: _Option("dapi-2"))
+    assert tracking.databricks_credentials() == ("https://dbc-2.cloud.databricks.com", "dapi-2")
+    # the job's own variables (a secret scope's token) come first
+    monkeypatch.setenv("DATABRICKS_HOST", "https://from-env.cloud.databricks.com")
+    monkeypatch.setenv("DATABRICKS_TOKEN", "dapi-env")
+    assert tracking.databricks_credentials() == ("https://from-env.cloud.databricks.com", "dapi-env")
+
+
+@pytest.mark.parametrize("context", [{}, {"apiUrl": None, "apiToken": "t", "browserHostName": None},
+                                     {"apiUrl": "None", "apiToken": "t"},
+                                     {"apiUrl": lambda: _Option(None), "apiToken": lambda: _Option("t")}])
+def test_without_a_host_or_token_worker_env_names_the_fix(monkeypatch, context):
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "15.4")
+    for name in ("DATABRICKS_HOST", "DATABRICKS_TOKEN", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    _job_run_context(monkeypatch, **context)
+    with pytest.raises(tracking.TrackingError, match="a workspace host") as err:
+        tracking.worker_env()
+    assert "Fix" in str(err.value) and "{{secrets/" in str(err.value)
+    # a store that is not Databricks' needs no credentials
+    assert tracking.worker_env("sqlite:///x.db") == {"MLFLOW_TRACKING_URI": "sqlite:///x.db"}
