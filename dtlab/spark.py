@@ -92,7 +92,42 @@ def session(cores: int | None = None, gpus: int = 0, app_name: str = "dtlab-cour
                    .config("spark.driver.resource.gpu.discoveryScript", str(gpu_discovery_script(gpus))))
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    _OWNED.add(id(spark.sparkContext))
     return spark
+
+
+#: The SparkContexts ``session`` started: the only ones ``stop`` stops.
+_OWNED: set[int] = set()
+
+
+class NotEnoughSlots(RuntimeError):
+    """Spark cannot run as many tasks at once as a barrier stage needs; the message names the fix."""
+
+
+def task_slots(spark) -> int:
+    """How many Spark tasks can run at once: the default parallelism (a local master's cores, a cluster's
+    executor cores) over ``spark.task.cpus``. A barrier stage (``TorchDistributor(local_mode=False)``,
+    ``horovod.spark.run``) needs one slot per process, all at once."""
+    sc = spark.sparkContext
+    return sc.defaultParallelism // max(1, int(sc.getConf().get("spark.task.cpus", "1")))
+
+
+def require_slots(spark, processes: int) -> None:
+    """Refuse, with the fix, a barrier stage of ``processes`` tasks that this Spark cannot start at once.
+
+    Spark itself refuses one that can never fit only after retrying its check for 10 minutes
+    (``BarrierJobSlotsNumberCheckFailed``: 40 tries, 15 s apart), deep in a Java stack, and ``horovod.spark.run``
+    waits for its tasks until ``start_timeout`` (600 s).
+
+    Raises:
+        NotEnoughSlots: ``processes`` is more than ``task_slots(spark)``.
+    """
+    slots = task_slots(spark)
+    if processes > slots:
+        raise NotEnoughSlots(f"{processes} processes need {processes} Spark tasks running at once (a barrier stage), "
+                             f"and this Spark runs {slots} (master {spark.sparkContext.master}). Fix: nprocs <= "
+                             f"{slots}, or more task slots (dtlab.spark.session(cores={processes}) on one machine, "
+                             "more workers or cores on a cluster)")
 
 
 def gpu_problem(spark, local_mode: bool) -> str | None:
@@ -115,11 +150,17 @@ def gpu_problem_of(conf: dict, driver_resources: set, local_mode: bool) -> str |
     if not local_mode:
         amount = str(conf.get("spark.task.resource.gpu.amount", "0"))
         try:
-            ok = float(amount) >= 1
+            whole = int(amount)                          # as PySpark 3.5's TorchDistributor reads it
         except ValueError:
-            ok = False
-        if ok:
+            return (f"spark.task.resource.gpu.amount is {amount!r}: PySpark 3.5's TorchDistributor reads it with "
+                    "int() (_get_num_tasks), so a fraction raises ValueError before anything runs. Fix: \"1\" (one "
+                    "GPU per Spark task, one training process per GPU)")
+        if whole == 1:
             return None
+        if whole > 1:
+            return (f"spark.task.resource.gpu.amount is {whole}: PySpark 3.5's TorchDistributor then starts "
+                    f"num_processes / {whole} Spark tasks, each one torchrun --nproc_per_node=1 with "
+                    "--nnodes=num_processes, so the world never assembles (SPARK-41916). Fix: \"1\"")
         single = conf.get("spark.databricks.cluster.profile") == "singleNode" or \
             str(conf.get("spark.master", "")).startswith("local")
         return ("Spark gives its tasks no GPU here (spark.task.resource.gpu.amount is unset"
@@ -134,15 +175,23 @@ def gpu_problem_of(conf: dict, driver_resources: set, local_mode: bool) -> str |
             "spark_conf (dtlab.spark.session(gpus=N) does it for a local Spark)")
 
 
-def stop(spark) -> None:
+def stop(spark, force: bool = False) -> bool:
     """Stop ``spark`` and the Java process behind it (``SparkSession.stop`` leaves the JVM running until
-    Python exits). For a local session only: on Databricks the cluster's session is not yours to stop."""
+    Python exits) — if ``session`` started it. A session that existed before (the cluster's own on
+    Databricks, which runs the notebook's Py4J gateway: stopping it ends the notebook's Spark) is left
+    alone, with a note, unless ``force`` (a script's own session, never the cluster's). Returns whether it
+    stopped anything."""
     from pyspark import SparkContext
 
+    if id(spark.sparkContext) not in _OWNED and not force:
+        print("dtlab.spark.stop: this Spark session was not started by dtlab.spark.session (on Databricks it is "
+              "the cluster's): left running")
+        return False
+    _OWNED.discard(id(spark.sparkContext))
     gateway = SparkContext._gateway
     spark.stop()
     if gateway is None:
-        return
+        return True
     proc = getattr(gateway, "proc", None)
     gateway.shutdown()
     if proc is not None:
@@ -153,3 +202,4 @@ def stop(spark) -> None:
             proc.kill()
     SparkContext._gateway = None
     SparkContext._jvm = None
+    return True

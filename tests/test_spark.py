@@ -1,6 +1,8 @@
 import json
 import subprocess
 
+import pytest
+
 from dtlab import spark
 
 
@@ -40,3 +42,70 @@ def test_gpu_problem_reads_the_cluster_files_as_databricks_would():
     assert "no GPU" in spark.gpu_problem_of(single, set(), local_mode=True)
     driver = {**single, "spark.driver.resource.gpu.amount": "4"}
     assert spark.gpu_problem_of(driver, {"gpu"}, local_mode=True) is None
+
+
+@pytest.mark.timeout(300)
+def test_a_fractional_or_larger_gpu_amount_is_refused_as_pyspark_35_would(monkeypatch):
+    """PySpark's TorchDistributor reads spark.task.resource.gpu.amount with int(): "0.5" raises ValueError; with
+    "2" it starts half as many Spark tasks as processes, and PySpark 3.5 gives each task one process and
+    torchrun --nnodes=num_processes, so the world never assembles (SPARK-41916). Reproduced with PySpark itself."""
+    import pyspark
+    from pyspark.ml.torch.distributor import TorchDistributor
+    from pyspark.sql import SparkSession
+
+    found = {}
+    for amount in ("0.5", "2"):
+        session = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+                   .config("spark.task.resource.gpu.amount", amount)
+                   .config("spark.executor.resource.gpu.amount", "4")
+                   .config("spark.executor.resource.gpu.discoveryScript", str(spark.gpu_discovery_script(4)))
+                   .getOrCreate())
+        try:
+            found[amount] = TorchDistributor(num_processes=4, local_mode=False, use_gpu=True).num_tasks
+        except ValueError as err:
+            found[amount] = err
+        finally:
+            spark.stop(session, force=True)
+        assert spark.gpu_problem_of({"spark.task.resource.gpu.amount": amount}, set(), local_mode=False)
+    assert isinstance(found["0.5"], ValueError) and "int()" in spark.gpu_problem_of(
+        {"spark.task.resource.gpu.amount": "0.5"}, set(), local_mode=False)
+    assert found["2"] == 2                                       # two Spark tasks for four processes
+    if pyspark.__version__.startswith("3.5"):
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", "29500")
+        monkeypatch.setenv("RANK", "0")
+        args, per_task = TorchDistributor._get_torchrun_args(local_mode=False, num_processes=4)
+        assert "--nnodes=4" in args and per_task == 1           # 2 tasks x 1 process, waiting for 4 nodes
+        assert "never assembles" in spark.gpu_problem_of({"spark.task.resource.gpu.amount": "2"}, set(), False)
+    assert spark.gpu_problem_of({"spark.task.resource.gpu.amount": "1"}, set(), local_mode=False) is None
+
+
+@pytest.mark.timeout(300)
+def test_stop_stops_only_sessions_dtlab_started():
+    """On Databricks the session is the cluster's: stopping it ends the notebook's Spark (and its Py4J gateway)."""
+    from pyspark.sql import SparkSession
+
+    theirs = (SparkSession.builder.master("local[1]").appName("the-clusters-own")
+              .config("spark.ui.enabled", "false").getOrCreate())
+    try:
+        assert spark.session() is theirs
+        assert spark.stop(theirs) is False
+        assert theirs.range(3).count() == 3                    # still running
+    finally:
+        spark.stop(theirs, force=True)
+    ours = spark.session(cores=1)
+    assert spark.stop(ours) is True
+
+
+@pytest.mark.timeout(300)
+def test_a_barrier_stage_larger_than_the_task_slots_is_refused_with_the_fix():
+    """Spark refuses it only after retrying its slot check for 10 minutes (BarrierJobSlotsNumberCheckFailed, 40
+    tries 15 s apart), deep in a Java stack; horovod.spark.run waits 600 s for tasks that cannot start."""
+    session = spark.session(cores=2)
+    try:
+        assert spark.task_slots(session) == 2
+        spark.require_slots(session, 2)
+        with pytest.raises(spark.NotEnoughSlots, match="Fix: nprocs <= 2"):
+            spark.require_slots(session, 3)
+    finally:
+        spark.stop(session)

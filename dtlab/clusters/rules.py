@@ -110,13 +110,20 @@ def cluster_problems(spec: dict, where: str = "", all_purpose: bool = True) -> l
         if amount is None:
             problems.append(f"{at('spark_conf')}: a multi-node GPU cluster needs spark.task.resource.gpu.amount, "
                             "or Spark tasks get no GPU. Fix: spark.task.resource.gpu.amount: \"1\"")
-        elif not re.fullmatch(r"\d+(\.\d+)?", str(amount)):
-            problems.append(f"{at('spark_conf')}.spark.task.resource.gpu.amount: {amount!r} is not a number. "
-                            "Fix: spark.task.resource.gpu.amount: \"1\"")
-        elif float(amount) != 1:
+        elif not re.fullmatch(r"\d+", str(amount).strip()):
+            problems.append(f"{at('spark_conf')}.spark.task.resource.gpu.amount: {amount!r}: PySpark 3.5's "
+                            "TorchDistributor reads it with int(), so anything but a whole number raises ValueError "
+                            "before training starts. Fix: spark.task.resource.gpu.amount: \"1\"")
+        elif int(amount) == 0:
+            problems.append(f"{at('spark_conf')}.spark.task.resource.gpu.amount: 0 gives Spark tasks no GPU: "
+                            "TorchDistributor(use_gpu=True) refuses to start (\"was unset\"). Fix: "
+                            "spark.task.resource.gpu.amount: \"1\" (0 is for a Ray on Spark cluster)")
+        elif int(amount) != 1:
             problems.append(f"{at('spark_conf')}.spark.task.resource.gpu.amount: {amount} gives "
-                            f"{gpu.gpus / float(amount):g} tasks per {gpu.gpus}-GPU node; the notebooks run one "
-                            "process per GPU. Fix: spark.task.resource.gpu.amount: \"1\"")
+                            f"{gpu.gpus // int(amount)} tasks per {gpu.gpus}-GPU node, and PySpark 3.5's "
+                            "TorchDistributor starts num_processes / amount tasks that each run one process with "
+                            "torchrun --nnodes=num_processes: the world never assembles (SPARK-41916). Fix: "
+                            "spark.task.resource.gpu.amount: \"1\"")
         per_executor = conf.get("spark.executor.resource.gpu.amount")
         if per_executor is not None and str(per_executor) not in (str(gpu.gpus), f"{gpu.gpus}.0"):
             problems.append(f"{at('spark_conf')}.spark.executor.resource.gpu.amount: {per_executor}, but a "
