@@ -60,6 +60,9 @@ BROKEN = {
     "bundle_bad_reference.yml": ["new_cluster.node_type_id: ${var.node_typ}", "did you mean 'node_type'?",
                                  "tasks[1].depends_on", "did you mean 'baseline'?",
                                  "tasks[1].job_cluster_key", "did you mean 'gpu'?"],
+    "bundle_wheel_without_artifact.yml": ["tasks[0].libraries[0].whl: ./dist/*.whl is built by no artifact",
+                                          "Runtime 13.3 or later", "it runs 12.2"],
+    "bundle_bad_artifact.yml": ["artifacts.dtlab.buld", "did you mean 'build'?", "artifacts.dtlab.type: 'wheel'"],
 }
 
 
@@ -128,7 +131,7 @@ def test_the_process_tag_is_what_the_cluster_offers(path):
 
 
 #: Lessons the Databricks Runtime 15.4 LTS ML job cannot run, and why (said in databricks.yml too).
-NOT_ON_THE_JOBS_RUNTIME = {"17_ray_train": "Ray 2.60 cannot be installed over 15.4's pandas 1.5 / pyarrow 14"}
+NOT_ON_THE_JOBS_RUNTIME = {"17_ray_train": "Ray 2.60 would replace 15.4's pandas 1.5 / pyarrow 14 / packaging 23"}
 
 
 def test_the_job_runs_every_notebook_in_order():
@@ -144,6 +147,19 @@ def test_the_job_runs_every_notebook_in_order():
     for before, task in zip(tasks, tasks[1:]):
         assert task["depends_on"] == [{"task_key": before["task_key"]}], task["task_key"]
     assert {t["job_cluster_key"] for t in tasks} == {job["job_clusters"][0]["job_cluster_key"]}
+    first, last = (int(s[:2]) for s in (stems[0], stems[-1]))
+    assert f"{first:02d}-{last:02d}" in job["name"], f"the job's name says which lessons it runs: {job['name']}"
+
+
+def test_every_task_installs_the_wheel_the_bundle_builds():
+    """No init script reads workspace files to install dtlab: the bundle builds a wheel, every task installs it."""
+    doc = clusters.load(ROOT / "databricks.yml")
+    assert doc["artifacts"]["dtlab"]["type"] == "whl" and "pip wheel" in doc["artifacts"]["dtlab"]["build"]
+    tasks = doc["resources"]["jobs"]["dtlab_course"]["tasks"]
+    assert all(t.get("libraries") == [{"whl": "./dist/*.whl"}] for t in tasks), [t["task_key"] for t in tasks
+                                                                                 if not t.get("libraries")]
+    env = doc["resources"]["jobs"]["dtlab_course"]["job_clusters"][0]["new_cluster"]["spark_env_vars"]
+    assert "DTLAB_SOURCE" not in env, "unset: the init script then installs only the optional tools"
 
 
 def test_the_init_script_installs_the_pinned_databricks_bundles():
@@ -201,7 +217,7 @@ def test_the_package_keeps_its_names_and_splits_by_concern():
              "is_single_node", "cluster_problems", "schema_problems", "ClusterConfigError", "GPU_NODE_TYPES",
              "NodeType", "BUNDLES_PIN"]
     assert set(names) <= set(clusters.__all__) and all(hasattr(clusters, name) for name in clusters.__all__)
-    for part in ("problems", "schema", "rules", "bundle", "files", "offer"):
+    for part in ("problems", "schema", "rules", "bundle", "artifacts", "files", "offer"):
         module = importlib.import_module(f"dtlab.clusters.{part}")
         assert module.__doc__ and len(module.__doc__.split()) > 10, part
         assert len(Path(module.__file__).read_text().splitlines()) < 250, f"{part}.py: one concern, short"
@@ -222,3 +238,13 @@ def test_node_facts_come_from_dtlab_hardware():
 def test_find_root_falls_back_to_the_folder_above_the_package(tmp_path):
     assert clusters.find_root(ROOT / "tests") == ROOT
     assert (clusters.find_root(tmp_path) / "dtlab" / "clusters" / "__init__.py").is_file()
+
+
+@pytest.mark.parametrize("amount, says", [("0.5", "int()"), ("1.0", "int()"), ("2", "never assembles"),
+                                          ("0", "no GPU")])
+def test_a_gpu_amount_other_than_1_is_refused_with_what_pyspark_does_with_it(amount, says):
+    """PySpark 3.5 reads spark.task.resource.gpu.amount with int() (tests/test_spark.py reproduces it)."""
+    spec = clusters.load(ROOT / "clusters" / "g5-12xlarge-4-nodes.yml")
+    spec["spark_conf"]["spark.task.resource.gpu.amount"] = amount
+    (problem,) = clusters.cluster_problems(spec)
+    assert says in problem and 'Fix: spark.task.resource.gpu.amount: "1"' in problem

@@ -3,9 +3,15 @@
 #
 # Referenced by the cluster definitions in clusters/*.yml and by the job cluster in databricks.yml
 # (init_scripts -> workspace -> destination). It reads, from the cluster's spark_env_vars:
-#   DTLAB_SOURCE     where dtlab is: a workspace folder holding this repository (a Git folder, a
-#                    `databricks sync` copy, or the files a bundle deploys), or a pip URL such as
-#                    git+https://github.com/<you>/dtlab.git@main. Default: /Workspace/Shared/dtlab.
+#   DTLAB_SOURCE     where dtlab is: a workspace folder holding this repository (a Git folder or a
+#                    `databricks sync` copy), or a pip URL such as git+https://github.com/<you>/dtlab.git@main.
+#                    Unset (the bundle's job cluster): dtlab comes as the tasks' library, the wheel the
+#                    bundle builds, and this script installs only the optional tools.
+#                    Reading a workspace folder from an init script is supported from Databricks Runtime
+#                    11.3 LTS for init scripts that are themselves workspace files (AWS and Azure docs,
+#                    "Reference files from init scripts"); Databricks on GCP documents it as unsupported:
+#                    there, use the pip URL, or install the wheel (`python3 -m pip wheel --no-deps -w dist .`,
+#                    uploaded to a Unity Catalog volume) as a cluster library.
 #   DTLAB_GIT_TOKEN  optional, for a private git+https URL only. Set it in spark_env_vars as a secret
 #                    reference, "{{secrets/<scope>/<key>}}": Databricks fills it in on the node, and
 #                    the token never appears in a file, a log line or the cluster's configuration page.
@@ -21,12 +27,15 @@
 # The log of this script is in the cluster's init-script logs (Compute > the cluster > Event log).
 set -euo pipefail
 
-DTLAB_SOURCE="${DTLAB_SOURCE:-/Workspace/Shared/dtlab}"
+DTLAB_SOURCE="${DTLAB_SOURCE:-}"
 DATABRICKS_BUNDLES_VERSION="1.22.1"   # the pins in requirements.txt
 PY_SPY_VERSION="0.4.3"
 PIP="${DTLAB_PIP:-/databricks/python/bin/pip}"   # DTLAB_PIP: for testing this script elsewhere
 
 case "$DTLAB_SOURCE" in
+  "")
+    echo "dtlab: DTLAB_SOURCE unset: dtlab is installed as the tasks' library (the bundle's wheel)"
+    ;;
   git+https://*)
     url="$DTLAB_SOURCE"
     if [[ -n "${DTLAB_GIT_TOKEN:-}" ]]; then
@@ -34,6 +43,7 @@ case "$DTLAB_SOURCE" in
     fi
     echo "dtlab: installing from ${DTLAB_SOURCE}"   # the URL without the token
     "$PIP" install --quiet --no-deps --no-build-isolation "$url"
+    echo "dtlab: installed"
     ;;
   *)
     src="$DTLAB_SOURCE"
@@ -51,9 +61,9 @@ case "$DTLAB_SOURCE" in
     cp -r "$src/pyproject.toml" "$src/README.md" "$src/dtlab" "$build/"
     echo "dtlab: installing from ${src}"
     "$PIP" install --quiet --no-deps --no-build-isolation "$build"
+    echo "dtlab: installed"
     ;;
 esac
-echo "dtlab: installed"
 
 # Optional, driver only, never fatal (DB_IS_DRIVER is TRUE on the driver node).
 if [[ "${DB_IS_DRIVER:-}" == "TRUE" ]]; then

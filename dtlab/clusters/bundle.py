@@ -6,6 +6,9 @@
   exist, its notebooks exist, and ``base_parameters`` are parameters of the notebook (a widget
   nobody reads is a typo); a notebook's ``nprocs`` does not exceed the GPUs of its node;
 * job clusters and ``resources.clusters`` follow the course's cluster rules (``rules.py``);
+* ``artifacts`` have the CLI's fields (``type`` whl or jar, ``build``, ``path``, ``files``, ``executable``,
+  ``dynamic_version``); a task's local ``whl`` library is a file an artifact builds, and its cluster runs
+  Databricks Runtime 13.3 or later (the CLI refuses local libraries before);
 * no literal credentials anywhere (only ``{{secrets/scope/key}}`` references).
 
 What could not be checked is not a problem but a *note* (``bundle_notes``): on Databricks Runtime
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab import course
+from dtlab.clusters.artifacts import artifact_outputs, library_problems
 from dtlab.clusters.problems import join, suggest
 from dtlab.clusters.rules import cluster_problems, node_type
 from dtlab.clusters.schema import model_problems, strict_models
@@ -182,11 +186,14 @@ def bundle_problems(doc: dict, path: Path, notes: list[str] | None = None) -> li
     variables = {name: (v or {}).get("default") if isinstance(v, dict) else v
                  for name, v in (doc.get("variables") or {}).items()}
     resolved = _resolve(doc, variables, problems)
+    found, outputs = artifact_outputs(resolved, path.parent.resolve())
+    problems += found
     resources = resolved.get("resources") or {}
     for name, job in (resources.get("jobs") or {}).items():
         where = f"resources.jobs.{name}"
         found = model_problems(Job, job, where)
-        problems += found or job_problems(job, where, path.parent, notes)
+        problems += found or (job_problems(job, where, path.parent, notes)
+                              + library_problems(job, where, path.parent.resolve(), outputs))
     for name, spec in (resources.get("clusters") or {}).items():
         where = f"resources.clusters.{name}"
         problems += model_problems(Cluster, spec, where) or cluster_problems(spec, where)
