@@ -230,3 +230,20 @@ def test_require_names_the_version_and_the_fix(monkeypatch):
     monkeypatch.setattr(raytrain, "version", lambda: None)
     with pytest.raises(raytrain.RayProblem, match="not installed.*make setup"):
         raytrain.require()
+
+
+@pytest.mark.timeout(300)
+def test_ray_on_a_local_spark_master_refuses_sized_worker_nodes():
+    """Notebook 17's advice: sizing Ray's worker nodes needs Spark's stage-level scheduling, which a local master
+    (a Databricks single-node cluster's local[*, 4]) does not have; Ray itself refuses before starting anything."""
+    from ray.util.spark import setup_ray_cluster
+
+    from dtlab import spark as dtspark
+
+    session = dtspark.session(cores=1)
+    try:
+        with pytest.raises(ValueError, match="stage scheduling"):
+            setup_ray_cluster(max_worker_nodes=1, num_cpus_worker_node=1, num_gpus_worker_node=0)
+    finally:
+        dtspark.stop(session)
+    assert not ray.is_initialized()
