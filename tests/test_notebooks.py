@@ -4,8 +4,9 @@ Each notebook ends with a cell of claims on values it computed, so a pass here m
 claims held on this machine, not just that the code ran. Nothing a notebook starts may outlive it.
 New notebooks are picked up automatically. Each notebook also runs a second time, with other
 parameters (3 processes where it takes ``nprocs``, other batch sizes and epochs) and its exercise
-solutions, on the learner's runtime stack (``tests/runtime/test_notebooks_other_parameters.py``),
-except those that run once, with their solutions, here (why, in ``tests/variants.py``).
+solutions, on the learner's runtime stack as a task of the simulated Databricks job
+(``tests/runtime/test_databricks_job.py``), except those that run once, with their solutions, here
+(why, in ``tests/variants.py``).
 """
 
 

@@ -8,27 +8,41 @@ reproduced here (the runtime's Python stack itself is the venv ``make test-runti
 * **the runtime is announced** by ``DATABRICKS_RUNTIME_VERSION`` and the cluster's Spark tag
   ``spark.databricks.clusterUsageTags.sparkVersion``;
 * **a SparkSession exists before the notebook starts**, made with the ``spark_conf`` of
-  ``clusters/g5-12xlarge-single-node.yml`` (single-node profile, ``local[*, 4]``: no GPU scheduling);
+  ``clusters/g5-12xlarge-single-node.yml`` (single-node profile, ``local[*, 4]`` with the node's 48 vCPUs
+  as task slots: no GPU scheduling);
 * **the notebook's interpreter lives in a folder without the runtime's console scripts**
   (``torchrun``, ``deepspeed``, ``horovodrun``, ``py-spy`` are not beside ``sys.executable`` nor on
   ``PATH``), as a notebook-scoped Python environment on Databricks;
+* **dtlab is the tasks' library**: the wheel the bundle's artifact builds (its ``build`` command from
+  ``databricks.yml``, run offline), installed as a cluster library is, apart from the source tree;
 * **the working directory is the notebook's folder in the deployed bundle**, where the notebooks
   themselves cannot be read as files (Databricks Runtime < 16.2), and what it writes lands in the
   "workspace";
-* **MLflow's tracking URI is ``databricks``** and its store, like the workspace, refuses an experiment
-  whose parent folder does not exist (``RESOURCE_DOES_NOT_EXIST``) or whose name is not a path.
+* **the notebook's context is a job run's**: ``dbruntime``'s REPL context and ``dbutils``' command context
+  carry ``apiUrl`` and ``apiToken`` and no ``browserHostName`` (absent in job runs); processes the notebook
+  starts see no context, and no ``DATABRICKS_HOST`` / ``DATABRICKS_TOKEN`` in their environment;
+* **MLflow's tracking URI is ``databricks``**, and MLflow's own Databricks store reaches the "workspace"
+  through the context's ``apiUrl`` and token (in the notebook) or ``DATABRICKS_HOST`` and ``DATABRICKS_TOKEN``
+  (in launched workers): the workspace is a real ``mlflow server`` on 127.0.0.1 that answers only requests
+  carrying the token, and whose store, like the workspace's, refuses an experiment whose parent folder does
+  not exist (``RESOURCE_DOES_NOT_EXIST``) or whose name is not a path. (Artifacts are written to a folder the
+  server names, ``--no-serve-artifacts``: the workspace's own artifact service, with credentials per write,
+  is the one path not reproduced.)
 
-``Job`` builds all of it in a folder; ``Job.run(task)`` executes one task's notebook there with
-papermill, passing no parameters but the widgets.
+``Job`` builds all of it in a folder and starts the server (``Job.close`` stops it); ``Job.run(task)``
+executes one task's notebook there with papermill, passing no parameters but the widgets.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
+import subprocess
 import sys
 import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,28 +76,96 @@ class _Widgets:
         raise ValueError(f"InputWidgetNotDefined: No input widget named {name} is defined")
 
 
-class _NoContext:
-    """What MLflow asks dbutils for (the notebook's context): there is none in this simulation."""
+class _Option:
+    """A Scala Option, as the Java side of dbutils returns them."""
 
-    def __getattr__(self, name):
-        raise RuntimeError(f"dbutils.entry_point...{name}: no Databricks notebook context in the simulation")
+    def __init__(self, value=None):
+        self._value = value
+
+    def isDefined(self):
+        return self._value is not None
+
+    def get(self):
+        if self._value is None:
+            raise RuntimeError("java.util.NoSuchElementException: None.get")
+        return self._value
+
+
+class _Tags:
+    def __init__(self, values):
+        self._values = values
+
+    def get(self, key):
+        return _Option(self._values.get(key))
+
+
+class _CommandContext:
+    """dbutils.notebook().getContext() of a job run: apiUrl and apiToken, no browserHostName."""
+
+    def __init__(self, repl):
+        self._repl = repl
+
+    def tags(self):
+        return _Tags({"jobId": self._repl.jobId, "idInJob": self._repl.idInJob, "jobType": self._repl.jobType,
+                      "clusterId": self._repl.clusterId})
+
+    def __getattr__(self, name):        # apiUrl(), apiToken(), browserHostName(), notebookPath(), ...
+        return lambda: _Option(getattr(self._repl, name, None))
+
+
+class _Notebook:
+    def __init__(self, repl):
+        self._repl = repl
+
+    def getContext(self):
+        return _CommandContext(self._repl)
+
+
+class _Logger:
+    def logUsage(self, *args, **kwargs):
+        pass
+
+
+class _DriverConf:
+    def workflowSslTrustAll(self):
+        return False
 
 
 class _EntryPoint:
+    """dbutils.entry_point, the Py4J gateway's: what MLflow 2.13 reads the notebook's credentials through."""
+
+    def __init__(self, repl):
+        self._repl = repl
+
     def getDbutils(self):
         return self
 
     def notebook(self):
-        return _NoContext()
+        return _Notebook(self._repl)
+
+    def getNonUcApiToken(self):
+        return self._repl.apiToken
+
+    def getLogger(self):
+        return _Logger()
+
+    def getDriverConf(self):
+        return _DriverConf()
 
 
 class _DBUtils:
-    def __init__(self, values):
+    def __init__(self, values, repl):
         self.widgets = _Widgets(values)
-        self.entry_point = _EntryPoint()   # MLflow 2.13 reads the notebook context through it
+        self.entry_point = _EntryPoint(repl)   # MLflow 2.13 reads the notebook context through it
 
 
-dbutils = _DBUtils(_json.loads(_os.environ.get("DTLAB_SIM_WIDGETS", "{}")))
+# The REPL context of this process only (dbruntime.databricks_repl_context.get_context()): the address and
+# token leave the environment, so the processes the notebook starts have neither, as on Databricks.
+import dbruntime.databricks_repl_context as _repl_context
+
+_repl_context._CONTEXT = _repl_context.Context(apiUrl=_os.environ.pop("DTLAB_SIM_API_URL"),
+                                               apiToken=_os.environ.pop("DTLAB_SIM_API_TOKEN"))
+dbutils = _DBUtils(_json.loads(_os.environ.get("DTLAB_SIM_WIDGETS", "{}")), _repl_context._CONTEXT)
 
 from pyspark.sql import SparkSession as _SparkSession
 
@@ -95,7 +177,10 @@ spark.sparkContext.setLogLevel("ERROR")
 '''
 
 _STORE = '''
-"""MLflow's 'databricks' tracking store, simulated: a SQLite store that refuses what the workspace refuses."""
+"""The workspace's MLflow store, for the simulated workspace's server: SQLite, refusing what the workspace refuses.
+
+Registered as the tracking-store scheme ``dtlab-workspace``: ``dtlab-workspace:///path/to/db`` is that SQLite file.
+"""
 import os
 import posixpath
 
@@ -119,7 +204,62 @@ class WorkspaceStore(SqlAlchemyStore):
 
 
 def build(store_uri=None, artifact_uri=None):
-    return WorkspaceStore(os.environ["DTLAB_SIM_MLFLOW_DB"], os.environ["DTLAB_SIM_ARTIFACTS"])
+    return WorkspaceStore("sqlite:///" + store_uri.split(":///", 1)[1], artifact_uri)
+'''
+
+_SERVER_APP = '''
+"""The simulated workspace's REST API: MLflow's own tracking server, answering only requests that carry the
+workspace's token (``Authorization: Bearer <token>``), as Databricks does."""
+import os
+
+from flask import jsonify, request
+from mlflow.server import app
+
+TOKEN = os.environ["DTLAB_SIM_API_TOKEN"]
+
+
+@app.before_request
+def _require_the_token():
+    if request.path == "/health":
+        return None
+    if request.headers.get("Authorization") != f"Bearer {TOKEN}":
+        return jsonify(error_code="UNAUTHENTICATED", message="Invalid access token."), 401
+    return None
+'''
+
+_REPL_CONTEXT = '''
+"""Databricks' ``dbruntime.databricks_repl_context``, simulated: the notebook's context in a job run.
+
+``get_context()`` returns the context the notebook's start-up set, in the notebook's process only; None in
+every other process (the workers a notebook launches).
+"""
+from dataclasses import dataclass
+
+_CONTEXT = None
+
+
+@dataclass
+class Context:
+    apiUrl: str
+    apiToken: str
+    browserHostName: object = None          # absent in job runs
+    workspaceUrl: object = None             # None on job clusters (databricks-sdk-py #312)
+    sslTrustAll: bool = False
+    isInNotebook: bool = True
+    isInJob: bool = True
+    isInCluster: bool = True
+    jobId: str = "1001"
+    idInJob: str = "2002"
+    jobType: str = "NORMAL"
+    jobTaskType: str = "notebook"
+    clusterId: str = "1201-000000-simulated"
+    workspaceId: str = "1234567890"
+    notebookId: str = "4242"
+    notebookPath: str = "/Workspace/Users/learner@example.com/.bundle/dtlab-course/dev/files/notebooks/lesson"
+
+
+def get_context():
+    return _CONTEXT
 '''
 
 
@@ -147,9 +287,13 @@ def load_tasks(bundle: Path = ROOT / "databricks.yml") -> list[Task]:
 
 
 def single_node_spark_conf() -> dict[str, str]:
-    """The Spark configuration of the single-node cluster file, as the cluster would have it."""
+    """The Spark configuration of the single-node cluster file, as the cluster would have it: ``local[*, 4]``
+    there means one task slot per vCPU of the node (48 on a g5.12xlarge), not per core of this machine."""
+    from dtlab import hardware
+
     spec = yaml.safe_load((ROOT / "clusters" / "g5-12xlarge-single-node.yml").read_text())
     conf = {k: str(v) for k, v in spec["spark_conf"].items()}
+    conf["spark.master"] = conf["spark.master"].replace("*", str(hardware.node(spec["node_type_id"]).vcpus))
     conf.update({"spark.databricks.clusterUsageTags.sparkVersion": SPARK_VERSION_TAG,
                  "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false"})
     return conf
@@ -162,10 +306,13 @@ class Job:
         self.folder = Path(folder)
         self.workspace = self.folder / "Workspace" / "bundle" / "files"
         self.python = self._notebook_environment()
-        self.site = self._plugins()
+        self.site, self.server_site = self._plugins()
         self._deploy()
+        self.libraries = self._install_wheel()
         (self.folder / "tmp").mkdir(exist_ok=True)
         (self.folder / "mlartifacts").mkdir(exist_ok=True)
+        self.token = secrets.token_hex(16)           # the workspace's API token of this run
+        self.api_url = self._start_workspace()
 
     def _deploy(self) -> None:
         """The bundle's files as `databricks bundle deploy` uploads them; notebooks are not files."""
@@ -176,6 +323,24 @@ class Job:
         (self.workspace / "notebooks").mkdir(parents=True)
         for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
             (self.workspace / "notebooks" / nb.name).mkdir()  # exists, but cannot be read as a file
+
+    def _install_wheel(self) -> Path:
+        """Build dtlab's wheel with the bundle's artifact command (offline: without build isolation, from the
+        runtime's setuptools) in a copy of the sources, and install it as the cluster installs a library."""
+        doc = yaml.safe_load((ROOT / "databricks.yml").read_text())
+        build = doc["artifacts"]["dtlab"]["build"].replace("python3 -m pip wheel",
+                                                            f"{sys.executable} -m pip wheel --no-build-isolation")
+        source = self.folder / "bundle-source"
+        source.mkdir()
+        shutil.copytree(ROOT / "dtlab", source / "dtlab", ignore=shutil.ignore_patterns("__pycache__"))
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy2(ROOT / name, source / name)
+        subprocess.run(["bash", "-c", build], cwd=source, check=True, capture_output=True, timeout=300)
+        (wheel,) = (source / "dist").glob("dtlab-*.whl")
+        libraries = self.folder / "cluster-libraries"
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--target",
+                        str(libraries), str(wheel)], check=True, capture_output=True, timeout=300)
+        return libraries
 
     def _notebook_environment(self) -> Path:
         """A Python environment of its own (a folder with only `python`) that sees the runtime's packages."""
@@ -200,16 +365,57 @@ class Job:
         (startup / "00-databricks.py").write_text(_STARTUP)
         return env / "bin" / "python"
 
-    def _plugins(self) -> Path:
-        """A folder on the kernel's PYTHONPATH with the simulated MLflow 'databricks' store plugin."""
-        site = self.folder / "sim-site"
-        (site / "dtlab_databricks_sim").mkdir(parents=True)
-        (site / "dtlab_databricks_sim" / "__init__.py").write_text(_STORE)
-        info = site / "dtlab_databricks_sim-0.1.dist-info"
+    def _plugins(self) -> tuple[Path, Path]:
+        """Two folders for PYTHONPATH: the kernel's (``dbruntime``'s REPL context) and the server's (the
+        workspace store and the token check, registered as MLflow plugins)."""
+        kernel, server = self.folder / "sim-site", self.folder / "server-site"
+        (kernel / "dbruntime").mkdir(parents=True)
+        (kernel / "dbruntime" / "__init__.py").write_text("")
+        (kernel / "dbruntime" / "databricks_repl_context.py").write_text(_REPL_CONTEXT)
+        (server / "dtlab_databricks_sim").mkdir(parents=True)
+        (server / "dtlab_databricks_sim" / "__init__.py").write_text(_STORE)
+        (server / "dtlab_databricks_sim" / "server.py").write_text(_SERVER_APP)
+        info = server / "dtlab_databricks_sim-0.1.dist-info"
         info.mkdir()
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dtlab-databricks-sim\nVersion: 0.1\n")
-        (info / "entry_points.txt").write_text("[mlflow.tracking_store]\ndatabricks = dtlab_databricks_sim:build\n")
-        return site
+        (info / "entry_points.txt").write_text("[mlflow.tracking_store]\ndtlab-workspace = dtlab_databricks_sim:build\n"
+                                               "\n[mlflow.app]\ndatabricks-sim = dtlab_databricks_sim.server:app\n")
+        return kernel, server
+
+    def _start_workspace(self, timeout: float = 120.0) -> str:
+        """Start the workspace's MLflow server (its own session, stopped by ``close``); return its URL."""
+        from dtlab.distributed import free_port
+        from dtlab.tracking import port_is_open
+
+        port = free_port()
+        db = self.folder / "workspace-mlflow.db"
+        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+               "--backend-store-uri", f"dtlab-workspace:///{db}", "--registry-store-uri", f"sqlite:///{db}",
+               "--no-serve-artifacts", "--default-artifact-root", (self.folder / "mlartifacts").as_uri(),
+               "--app-name", "databricks-sim"]
+        env = {**os.environ, "PYTHONPATH": str(self.server_site), "DTLAB_SIM_API_TOKEN": self.token,
+               "DTLAB_SIM_FOLDERS": ":".join(EXISTING_FOLDERS),
+               "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
+        self._server_log = open(self.folder / "workspace-server.log", "w")
+        self._server = subprocess.Popen(cmd, stdout=self._server_log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not port_is_open(port):
+            if self._server.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("the workspace's mlflow server did not start; see "
+                                   f"{self.folder / 'workspace-server.log'}")
+            time.sleep(0.3)
+        return f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        """Stop the workspace's server and every process it started."""
+        from dtlab.tracking import _stop_group
+
+        if getattr(self, "_server", None) is not None:
+            _stop_group(self._server)
+            self._server = None
+            self._server_log.close()
 
     def environment(self, task: Task, widgets: dict[str, str]) -> dict[str, str]:
         """The kernel's environment variables for ``task`` (PATH without the runtime's scripts)."""
@@ -220,7 +426,7 @@ class Job:
             "DATABRICKS_RUNTIME_VERSION": RUNTIME_VERSION,
             "DB_IS_DRIVER": "TRUE",
             "PATH": path or "/usr/bin:/bin",
-            "PYTHONPATH": str(self.site),
+            "PYTHONPATH": os.pathsep.join([str(self.site), str(self.libraries)]),
             "JUPYTER_PATH": str(self.python.parent.parent / "share" / "jupyter"),
             "IPYTHONDIR": str(self.folder / "ipython"),
             "TMPDIR": str(self.folder / "tmp"),
@@ -228,25 +434,27 @@ class Job:
             "MLFLOW_TRACKING_URI": "",               # unset: dtlab.tracking picks "databricks"
             "DTLAB_SIM_WIDGETS": json.dumps(widgets),
             "DTLAB_SIM_SPARK_CONF": json.dumps(single_node_spark_conf()),
-            "DTLAB_SIM_MLFLOW_DB": f"sqlite:///{self.folder / 'workspace-mlflow.db'}",
-            "DTLAB_SIM_ARTIFACTS": (self.folder / "mlartifacts").as_uri(),
-            "DTLAB_SIM_FOLDERS": ":".join(EXISTING_FOLDERS),
+            "DTLAB_SIM_API_URL": self.api_url,          # the notebook context's, removed from the environment
+            "DTLAB_SIM_API_TOKEN": self.token,          # by the kernel's start-up (see _STARTUP)
+            "DATABRICKS_HOST": "",                       # unset: a job run's environment has neither
+            "DATABRICKS_TOKEN": "",
             "SPARK_LOCAL_IP": "127.0.0.1",
             "PYSPARK_PYTHON": str(self.python),
             "PYSPARK_DRIVER_PYTHON": str(self.python),
         }
 
-    def run(self, task: Task, widgets: dict[str, str] | None = None, timeout: int = 900):
+    def run(self, task: Task, widgets: dict[str, str] | None = None, timeout: int = 900, solutions: bool = False):
         """Execute ``task``'s notebook as the job would; returns ``dtlab.course.Result``.
 
         ``widgets`` (strings) are added to the task's ``base_parameters`` (the tests pass each
-        notebook's small CI parameters this way, as "Run now with different parameters" would).
+        notebook's other parameters this way, as "Run now with different parameters" would);
+        ``solutions=True`` keeps the exercise solutions' cells.
         """
         from dtlab import course
 
         values = {**task.widgets, **(widgets or {})}
         out = self.folder / "runs"
         out.mkdir(exist_ok=True)
-        return course.run_one(task.notebook, out, stream=False, cell_timeout=timeout,
+        return course.run_one(task.notebook, out, stream=False, cell_timeout=timeout, solutions=solutions,
                               cwd=self.workspace / "notebooks", kernel_name="databricks",
                               env=self.environment(task, values), inject_parameters=False)

@@ -4,9 +4,12 @@
 LTS ML's library versions: torch 2.3.1, PySpark 3.5.0, MLflow 2.13.1, numpy 1.23.5, ...). Each task
 of ``databricks.yml`` runs its notebook as the job would (see ``databricks_sim``): parameters only
 through widgets, a single-node SparkSession made beforehand, no console scripts beside the
-interpreter, notebooks unreadable as files, MLflow's workspace store. The widgets carry the task's
-``base_parameters`` plus the notebook's small CI parameters (strings, as "Run now with different
-parameters" passes them), to keep the run short.
+interpreter, notebooks unreadable as files, dtlab from the bundle's wheel, a job run's context and
+MLflow's workspace store behind a token. The widgets carry the task's ``base_parameters`` plus the
+notebook's other parameters (its ``alt_parameters`` over its small CI ones: 3 processes where it takes
+``nprocs``, other batch sizes and epochs; strings, as "Run now with different parameters" passes them),
+and the run includes the exercise solutions: this is each lesson's second run (``tests/variants.py``),
+while ``make test`` runs it with its CI parameters on the newest stack.
 
 Like the job (``run_if: ALL_DONE``), a failing lesson does not stop the later ones; the last test
 writes the job summary every lesson's status goes into.
@@ -15,9 +18,13 @@ writes the job summary every lesson's status goes into.
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from databricks_sim import ROOT, Job, Task, load_tasks, single_node_spark_conf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jobs_api import JobsAPI  # noqa: E402
 
 pytestmark = pytest.mark.runtime
 TASKS = load_tasks()
@@ -26,13 +33,53 @@ RESULTS: dict[str, object] = {}
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    return Job(tmp_path_factory.mktemp("databricks"))
+    job = Job(tmp_path_factory.mktemp("databricks"))
+    yield job
+    job.close()
 
 
-def _ci_widgets(task: Task) -> dict[str, str]:
+def _run_in_the_job(job, tmp_path, *cells: str) -> dict:
+    """Execute ``cells`` as a notebook task of the job (its kernel, context and environment); each cell may
+    put values into ``out``, which is returned."""
+    import nbformat
+
+    result_file = tmp_path / "out.json"
+    cells = ("import json\nout = {}", *cells, f"json.dump(out, open({str(result_file)!r}, 'w'))")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "databricks", "display_name": "Databricks (simulated)", "language": "python"}
+    path = tmp_path / "task.ipynb"
+    nbformat.write(nb, path)
+    result = job.run(Task("adhoc", path, {}), timeout=300)
+    assert result.status == "ok", f"cell {result.failing_cell}: {result.error}"
+    return json.loads(result_file.read_text())
+
+
+def _workspace_get(job, path: str, token: str | None = None) -> tuple[int, dict]:
+    """GET the simulated workspace's REST API, as a client with ``token`` (the job's by default)."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(job.api_url + path, headers={"Authorization": f"Bearer {token or job.token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def _other_widgets(task: Task) -> dict[str, str]:
+    """The notebook's other parameters over its CI ones, as strings (widgets)."""
     from dtlab import course
 
-    return {k: str(v) for k, v in course.ci_parameters(task.notebook).items()}
+    merged = {**course.ci_parameters(task.notebook), **course.alt_parameters(task.notebook)}
+    return {k: str(v) for k, v in merged.items()}
+
+
+def test_the_job_runs_every_lesson_whose_second_run_belongs_to_this_stack():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from variants import second_runs
+
+    assert [t.notebook for t in TASKS] == second_runs("runtime")
 
 
 @pytest.mark.timeout(1200)
@@ -40,7 +87,7 @@ def _ci_widgets(task: Task) -> dict[str, str]:
 def test_each_lesson_runs_as_a_databricks_job_task(job, task):
     folder = job.workspace / "notebooks"
     before = sorted(p.name for p in folder.iterdir())
-    result = job.run(task, _ci_widgets(task))
+    result = job.run(task, _other_widgets(task), solutions=True)
     RESULTS[task.key] = result
     assert result.status == "ok", f"{task.key} failed at cell {result.failing_cell}: {result.error}\n{result.output}"
     assert not result.leftovers, f"{task.key} left processes running: {result.leftovers}"
@@ -93,7 +140,7 @@ def test_barrier_mode_with_gpus_on_the_single_node_cluster_is_refused_by_pyspark
         problem = dtspark.gpu_problem(spark, local_mode=False)
         assert problem and "single-node" in problem
     finally:
-        dtspark.stop(spark)
+        dtspark.stop(spark, force=True)                  # this test's own session
 
 
 def test_the_interpreter_has_no_console_scripts_beside_it_but_python_m_works(job):
@@ -124,16 +171,108 @@ def test_notebooks_cannot_be_read_as_files_and_the_validator_says_so_instead_of_
     assert clusters.validate(job.workspace / "databricks.yml") == []
 
 
+def _worker_env(job, **extra) -> dict[str, str]:
+    """The environment of a process the notebook starts: the job's, without the notebook's context."""
+    env = {**job.environment(TASKS[0], {}), "HOME": str(job.folder), **extra}
+    return {k: v for k, v in env.items() if v and not k.startswith("DTLAB_SIM_API")}
+
+
 def test_the_workspace_store_refuses_a_missing_parent_folder(job):
     """Break 4: experiments under /Shared/dtlab/... (a folder a fresh workspace lacks)."""
     code = ("import mlflow, sys; mlflow.set_tracking_uri('databricks')\n"
             "try:\n    mlflow.create_experiment('/Shared/dtlab/x')\nexcept Exception as e:\n    print('refused', e)\n"
             "print('created', mlflow.create_experiment('/Shared/dtlab-x'))\n")
-    env = {**job.environment(TASKS[0], {}), "HOME": str(job.folder)}
-    env = {k: v for k, v in env.items() if v}
+    env = _worker_env(job, DATABRICKS_HOST=job.api_url, DATABRICKS_TOKEN=job.token)
     out = subprocess.run([str(job.python), "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert "refused" in out.stdout and "RESOURCE_DOES_NOT_EXIST" in out.stdout, out.stdout + out.stderr
     assert "created" in out.stdout, out.stderr
+
+
+# --- issue 27: the paths a real workspace takes ----------------------------------------------------------
+
+@pytest.mark.timeout(600)
+def test_launched_workers_log_to_the_workspace_with_the_job_runs_host_and_token(job, tmp_path):
+    """Item 1: worker_env built the host from browserHostName, absent in job runs (https://None), and
+    swallowed the error. Now: the context's apiUrl and apiToken; a worker logs a run with them, end to end."""
+    out = _run_in_the_job(job, tmp_path, """
+import os
+from dtlab import launch, tracking
+
+def log_a_run(env):
+    os.environ.update(env)
+    from dtlab import tracking
+    with tracking.start("from-a-worker") as run:
+        run.log_metrics({"answer": 42.0})
+    return run.run_id
+
+env = tracking.worker_env()
+out["env"] = env
+out["kernel_env"] = [k for k in ("DATABRICKS_HOST", "DATABRICKS_TOKEN") if k in os.environ]
+out["run_id"] = launch.run(log_a_run, env, nprocs=1)[0]
+""")
+    assert out["kernel_env"] == [], "a job run's environment has no DATABRICKS_HOST/TOKEN: the context must be used"
+    assert out["env"] == {"MLFLOW_TRACKING_URI": "databricks", "DATABRICKS_HOST": job.api_url,
+                          "DATABRICKS_TOKEN": job.token}
+    status, body = _workspace_get(job, f"/api/2.0/mlflow/runs/get?run_id={out['run_id']}")
+    assert status == 200 and body["run"]["data"]["metrics"][0]["value"] == 42.0, body
+
+
+def test_without_a_context_or_credentials_worker_env_names_the_fix_and_the_workspace_refuses_a_bad_token(job):
+    """Item 1: no host or token is one clear error (never https://None); a wrong token is refused by the
+    workspace, so the runs the lessons log prove the token reached their workers."""
+    code = ("from dtlab import tracking\ntry:\n    print(tracking.worker_env('databricks'))\n"
+            "except tracking.TrackingError as e:\n    print('refused:', e)\n")
+    out = subprocess.run([str(job.python), "-c", code], capture_output=True, text=True, timeout=120,
+                         env=_worker_env(job))
+    assert out.stdout.startswith("refused:") and "DATABRICKS_TOKEN" in out.stdout and "secret" in out.stdout, \
+        out.stdout + out.stderr
+    assert "None" not in out.stdout
+    status, body = _workspace_get(job, "/api/2.0/mlflow/experiments/search?max_results=1", token="wrong")
+    assert status == 401 and body["error_code"] == "UNAUTHENTICATED"
+
+
+@pytest.mark.timeout(300)
+def test_dtlab_spark_stop_leaves_the_clusters_own_session_running(job, tmp_path):
+    """Item 3: notebook 17 ended with dtspark.stop(spark), which stopped the cluster's session (and, on
+    Databricks, the notebook's Py4J gateway). Now stop() stops only sessions dtlab.spark.session started."""
+    out = _run_in_the_job(job, tmp_path, """
+from dtlab import spark as dtspark
+s = dtspark.session()
+out["same"] = s.sparkContext is spark.sparkContext
+out["stopped"] = dtspark.stop(s)
+out["count"] = spark.range(5).count()
+""")
+    assert out == {"same": True, "stopped": False, "count": 5}
+
+
+def test_the_summary_task_reads_the_run_with_the_job_clusters_credentials_or_names_the_fix(job):
+    """Item 2: the summary task called WorkspaceClient() (default auth, which fails on some job clusters) and
+    was tested only for its table. Here clusters/job_summary.py runs as the job's Python task does, against
+    the Jobs API of a run with one failed lesson, through the runtime's databricks-sdk."""
+    run = {"run_id": 2002, "tasks": [
+        {"task_key": "nb00_environment", "start_time": 1000, "end_time": 61000,
+         "state": {"life_cycle_state": "TERMINATED", "result_state": "SUCCESS"}},
+        {"task_key": "nb01_single_device_baseline", "start_time": 62000, "end_time": 92000,
+         "state": {"life_cycle_state": "TERMINATED", "result_state": "FAILED", "state_message": "cell 7: boom"}},
+        {"task_key": "job_summary", "start_time": 93000,
+         "state": {"life_cycle_state": "RUNNING"}}]}
+    api = JobsAPI("jobs-token", run)
+    script = str(job.workspace / "clusters" / "job_summary.py")
+    try:
+        with_secret = subprocess.run([str(job.python), script, "2002"], capture_output=True, text=True, timeout=120,
+                                     env=_worker_env(job, DATABRICKS_HOST=api.url, DATABRICKS_TOKEN="jobs-token"))
+        without = subprocess.run([str(job.python), script, "2002"], capture_output=True, text=True, timeout=120,
+                                 env=_worker_env(job))
+    finally:
+        api.close()
+    assert with_secret.returncode == 1, with_secret.stdout + with_secret.stderr    # a lesson failed: the run fails
+    assert api.calls == 1
+    lines = with_secret.stdout.splitlines()
+    assert any("nb00_environment" in line and "SUCCESS" in line for line in lines), with_secret.stdout
+    assert any("nb01_single_device_baseline" in line and "FAILED" in line and "boom" in line for line in lines)
+    assert "job_summary" not in with_secret.stdout.replace("job_summary:", "")
+    assert without.returncode == 2 and "DATABRICKS_HOST" in without.stderr and "secrets/" in without.stderr, \
+        without.stdout + without.stderr
 
 
 @pytest.mark.timeout(600)
@@ -151,6 +290,27 @@ def test_the_init_script_installs_dtlab_without_pypi_and_keeps_optional_tools_so
     assert out.returncode == 0, log
     assert (tmp_path / "installed" / "dtlab" / "__init__.py").is_file(), log
     assert "optional" in log and "not installed" in log, log
+
+
+def test_the_tasks_import_dtlab_from_the_bundles_wheel_and_the_init_script_leaves_it_to_them(job, tmp_path):
+    """Item 7: the job's init script built dtlab from workspace files at cluster start; now the bundle builds a
+    wheel that the tasks install, and the init script (DTLAB_SOURCE unset) installs only the optional tools."""
+    out = _run_in_the_job(job, tmp_path, """
+import dtlab
+from dtlab.planner import published
+out["file"] = dtlab.__file__
+out["runs"] = len(published.runs())
+""")
+    assert out["file"].startswith(str(job.libraries)), out["file"]
+    assert out["runs"] > 20                     # the planner's data file travels in the wheel
+    pip = tmp_path / "pip"
+    pip.write_text("#!/bin/sh\necho \"pip $*\" >> \"$(dirname \"$0\")/calls\"; exit 1\n")   # PyPI unreachable
+    pip.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DTLAB_PIP": str(pip), "DB_IS_DRIVER": "TRUE"}
+    run = subprocess.run(["bash", str(job.workspace / "clusters" / "init" / "install-dtlab.sh")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0 and "the tasks' library" in run.stdout and "optional tools not installed" in run.stdout
+    assert "dtlab" not in (tmp_path / "calls").read_text().replace("databricks-bundles", "")
 
 
 def test_dtlab_env_reports_this_stack_against_the_runtime_it_imitates():
