@@ -36,6 +36,7 @@ One module per concept; import the one you need:
     dtlab.course       run the course notebooks headless (``dtlab course run``)
     dtlab.website      a course run as a static website, checked page by page in headless Chromium (``make site``)
     dtlab.jobs         the Databricks job's summary of every lesson's status
+    dtlab.cli          the ``dtlab`` command: env, advise (memory), course, site, clusters
 
 Modules load on first use, so ``import dtlab`` is quick and ``dtlab.checkpoint`` just works.
 Try ``help(dtlab.checkpoint)``, or ``dtlab env`` in a shell.
@@ -43,13 +44,19 @@ Try ``help(dtlab.checkpoint)``, or ``dtlab env`` in a shell.
 
 import importlib
 
+from dtlab import _compat  # noqa: F401  (work-arounds for the learner's torch and DeepSpeed, on any dtlab import)
+
 __version__ = "0.1.0"
 
-#: The modules ``dtlab.<name>`` loads on first use (PEP 562).
-MODULES = ("environment", "distributed", "models", "data", "checkpoint", "resumable", "faults", "tracking",
-           "measure", "live", "launch", "parallel", "bandwidth", "spark", "memory", "ds_config", "precision",
-           "speedup", "clusters", "notebook", "course", "hardware", "jobs", "cli", "fsdp2", "sharded_checkpoint",
-           "dtensor", "pipelining", "composition", "raytrain", "advise", "planner", "side_by_side")
+def _find_modules() -> tuple[str, ...]:
+    """The package's public modules and subpackages, found on disk (names starting with ``_`` are private)."""
+    import pkgutil
+
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
+
+
+#: The modules ``dtlab.<name>`` loads on first use (PEP 562), found rather than listed by hand.
+MODULES = _find_modules()
 
 
 def __getattr__(name: str):

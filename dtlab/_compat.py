@@ -1,10 +1,21 @@
-"""Work-arounds for the library versions the course's learners run, applied once when dtlab is imported.
+"""Work-arounds for the library versions the course's learners run, in force on any import of dtlab.
+
+``import dtlab`` (which ``import dtlab.<anything>`` runs first) installs them without importing torch or
+DeepSpeed: each patches one faulty call, of the versions that have the fault, when its module is loaded
+(at once if it already is).
 
 * **torch < 2.4, gloo: ``destroy_process_group`` can deadlock.** A gloo worker thread finishes its
   last collective *after* the caller's ``wait()`` returned, and then needs the GIL to clean up;
   ``destroy_process_group`` holds the GIL while it joins that thread. On torch 2.3.1 (Databricks
   Runtime 15.4 LTS ML) 9 of 15 two-process launches hung here; letting go of the GIL for 50 ms first
   lets the thread finish (0 of 20 hung). Newer torch does not need it (0 of 10 without it).
+* **DeepSpeed's ZeRO-3 reduce-scatter pads with ``torch.empty``.** ``reduce_scatter_coalesced``
+  (``deepspeed/runtime/comm/coalesced_collectives.py``, 0.14.4 and 0.19.8 alike) pads each gradient to a
+  multiple of the world size with uninitialised memory, which is summed with the other ranks' padding:
+  whether a run trains then depends on what that memory last held (on the runtime's stack the same MLP's
+  bf16 ZeRO-3 loss went to NaN, or its fp32 weights 510 away from DDP's, after unrelated code changed the
+  process's allocation history). Where that function's source pads with ``torch.empty``, its padding is
+  made of zeros; nothing else in DeepSpeed changes.
 * **DeepSpeed on CPU leaves 66 MB per rank in /dev/shm.** When every rank is on one machine
   (``LOCAL_SIZE`` = world size), DeepSpeed's shared-memory all-reduce (``ops/csrc/cpu/comm/shm.cpp``,
   0.14.4 and 0.19.8 alike) creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``
@@ -18,25 +29,30 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib.util
+import inspect
 import os
 import sys
 import time
-from collections.abc import Iterable
+import types
+from collections.abc import Callable, Iterable
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 
 def _version() -> tuple[int, int]:
+    """torch's (major, minor)."""
+    import torch
+
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)
 
 
-def _patch_destroy_process_group() -> None:
-    if not dist.is_available() or _version() >= (2, 4) or getattr(dist.destroy_process_group, "_dtlab", False):
+# --- torch < 2.4: destroy_process_group --------------------------------------------------------------
+
+def _patch_destroy_process_group(c10d: types.ModuleType) -> None:
+    """Release the GIL for 50 ms before ``destroy_process_group`` on torch < 2.4 (``c10d``: distributed_c10d)."""
+    original = getattr(c10d, "destroy_process_group", None)
+    if original is None or getattr(original, "_dtlab", False) or _version() >= (2, 4):
         return
-    original = dist.destroy_process_group
 
     @functools.wraps(original)
     def destroy_process_group(*args, **kwargs):
@@ -44,12 +60,133 @@ def _patch_destroy_process_group() -> None:
         return original(*args, **kwargs)
 
     destroy_process_group._dtlab = True
-    dist.destroy_process_group = destroy_process_group
-    torch.distributed.distributed_c10d.destroy_process_group = destroy_process_group
+    c10d.destroy_process_group = destroy_process_group
+    package = sys.modules.get("torch.distributed")
+    if package is not None and getattr(package, "destroy_process_group", None) is original:
+        package.destroy_process_group = destroy_process_group   # already re-exported: replace it there too
 
 
-_patch_destroy_process_group()
+# --- DeepSpeed: zero padding in ZeRO-3's coalesced reduce-scatter -------------------------------------
 
+class _ZeroedEmpty:
+    """``torch`` as one function sees it, except that ``empty`` returns zeros."""
+
+    def __init__(self, torch_module: types.ModuleType):
+        self._torch = torch_module
+
+    def __getattr__(self, name: str):
+        return getattr(self._torch, name)
+
+    def empty(self, *args, **kwargs):
+        return self._torch.zeros(*args, **kwargs)
+
+
+def _pads_with_empty(function: types.FunctionType) -> bool:
+    """Whether the function's own code (not a function it wraps) pads with ``torch.empty``."""
+    try:
+        return "torch.empty(padding_sz" in inspect.getsource(function.__code__)
+    except (OSError, TypeError):
+        return False
+
+
+def _with_zeroed_empty(function: types.FunctionType) -> types.FunctionType:
+    """A copy of ``function`` whose global ``torch`` has ``empty`` returning zeros."""
+    scope = dict(function.__globals__)
+    scope["torch"] = _ZeroedEmpty(function.__globals__["torch"])
+    patched = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__,
+                                 function.__closure__)
+    patched = functools.wraps(function)(patched)
+    patched.__kwdefaults__ = function.__kwdefaults__
+    patched._dtlab = True
+    return patched
+
+
+def _wrapped_functions(function: types.FunctionType):
+    """``(cell, f)`` for ``function`` (cell None) and every function inside the decorators around it (each in the
+    closure cell that holds it): DeepSpeed wraps ``reduce_scatter_coalesced`` in ``instrument_w_nvtx`` around
+    ``torch.no_grad()``."""
+    stack, seen = [(None, function)], set()
+    while stack:
+        cell, f = stack.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        yield cell, f
+        for inner in f.__closure__ or ():
+            try:
+                contents = inner.cell_contents
+            except ValueError:                      # an empty cell
+                continue
+            if isinstance(contents, types.FunctionType):
+                stack.append((inner, contents))
+
+
+def _zero_deepspeed_padding(module: types.ModuleType) -> None:
+    """Zero padding in ``reduce_scatter_coalesced``, where it pads with ``torch.empty``. The function is replaced
+    where it is held (inside DeepSpeed's decorators), so every name already bound to the decorated one sees it."""
+    outer = getattr(module, "reduce_scatter_coalesced", None)
+    if not isinstance(outer, types.FunctionType):
+        return
+    for cell, function in _wrapped_functions(outer):
+        if getattr(function, "_dtlab", False) or not _pads_with_empty(function):
+            continue
+        if cell is None:
+            module.reduce_scatter_coalesced = _with_zeroed_empty(function)
+        else:
+            cell.cell_contents = _with_zeroed_empty(function)
+        return
+
+
+def _padding_is_zeroed(module: types.ModuleType) -> bool:
+    """Whether ``module.reduce_scatter_coalesced`` runs with zeroed padding."""
+    return any(getattr(f, "_dtlab", False) for _, f in _wrapped_functions(module.reduce_scatter_coalesced))
+
+
+# --- applied when the module loads, or now -------------------------------------------------------------
+
+#: Module name -> the patch to apply to it once it is loaded.
+PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
+    "torch.distributed.distributed_c10d": _patch_destroy_process_group,
+    "deepspeed.runtime.comm.coalesced_collectives": _zero_deepspeed_padding,
+}
+
+
+class _PatchOnImport:
+    """A meta-path finder that runs a module's patch right after the module's own code."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        original = spec.loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            PATCHES[name](module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install() -> None:
+    """Apply every patch to the modules already loaded, and arrange the others' at their import."""
+    for name, patch in PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+install()
+
+
+# --- DeepSpeed's shared-memory files -------------------------------------------------------------------
 
 SHM_FOLDER = Path("/dev/shm")
 
@@ -84,59 +221,3 @@ def _remove_own_deepspeed_shm() -> None:
 
 
 atexit.register(_remove_own_deepspeed_shm)
-
-
-# DeepSpeed's ZeRO-3 reduce-scatter pads each gradient to a multiple of the world size with
-# ``torch.empty`` (``deepspeed/runtime/comm/coalesced_collectives.py``, 0.14.4 and 0.19.8 alike):
-# whatever the allocator hands back is summed into the padded slots and lands in the last rank's
-# gradient partition. Whether a run trains depends on what that memory last held: on the runtime's
-# stack the same MLP's bf16 ZeRO-3 loss went to NaN, or its fp32 weights 510 away from DDP's, after
-# unrelated code changed the process's allocation history. Zero padding makes the result depend on
-# the gradients alone.
-_COALESCED = "deepspeed.runtime.comm.coalesced_collectives"
-
-
-class _TorchWithZeroedEmpty:
-    """``torch`` as that module sees it, except that ``empty`` returns zeros (only its padding uses it)."""
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, **kwargs):
-        return torch.zeros(*args, **kwargs)
-
-
-def _zero_deepspeed_padding(module) -> None:
-    if isinstance(getattr(module, "torch", None), _TorchWithZeroedEmpty):
-        return
-    module.torch = _TorchWithZeroedEmpty()
-
-
-class _PatchOnImport:
-    """A meta-path finder that patches the coalesced collectives right after DeepSpeed imports them."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != _COALESCED:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return None
-        original = spec.loader.exec_module
-
-        def exec_module(module):
-            original(module)
-            _zero_deepspeed_padding(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if _COALESCED in sys.modules:
-    _zero_deepspeed_padding(sys.modules[_COALESCED])
-elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-    sys.meta_path.insert(0, _PatchOnImport())

@@ -1,7 +1,11 @@
 """The work-arounds dtlab applies for the learner's library versions."""
 
+import os
+import subprocess
+import sys
 import time
 
+import pytest
 import torch
 
 from dtlab import launch
@@ -31,14 +35,49 @@ def test_destroying_a_gloo_group_right_after_collectives_does_not_deadlock():
 
 def test_deepspeed_pads_its_zero3_reduce_scatter_with_zeros_not_leftover_memory():
     """ZeRO-3's coalesced reduce-scatter pads gradients with ``torch.empty``; dtlab makes that padding zeros, so
-    what the allocator last held cannot reach the gradients (it sent bf16 ZeRO-3 to NaN on the runtime stack)."""
+    what the allocator last held cannot reach the gradients (it sent bf16 ZeRO-3 to NaN on the runtime stack).
+    Only that function's ``torch.empty`` changes: the module keeps torch itself."""
     from deepspeed.runtime.comm import coalesced_collectives
 
-    import dtlab  # noqa: F401  (applies the work-arounds)
     from dtlab import _compat
 
-    assert isinstance(coalesced_collectives.torch, _compat._TorchWithZeroedEmpty)
+    (padding,) = [f for _, f in _compat._wrapped_functions(coalesced_collectives.reduce_scatter_coalesced)
+                  if getattr(f, "_dtlab", False)]
     junk = torch.full((4096,), float("nan"))
     del junk                                                   # leave NaNs where the next block may come from
-    assert torch.equal(coalesced_collectives.torch.empty(4096), torch.zeros(4096))
-    assert coalesced_collectives.torch.cat is torch.cat       # everything else is torch itself
+    assert torch.equal(padding.__globals__["torch"].empty(4096), torch.zeros(4096))
+    assert padding.__globals__["torch"].cat is torch.cat       # everything else is torch itself
+    assert coalesced_collectives.torch is torch
+
+
+_PROBE = """
+import sys
+order = sys.argv[1]
+if order == "libraries first":
+    import torch.distributed as dist
+    from deepspeed.runtime.comm import coalesced_collectives
+    import dtlab.ds_config                # a module that imports neither torch nor DeepSpeed itself
+else:
+    import dtlab.ds_config
+    import torch.distributed as dist
+    from deepspeed.runtime.comm import coalesced_collectives
+from dtlab import _compat
+print(getattr(dist.destroy_process_group, "_dtlab", False), _compat._padding_is_zeroed(coalesced_collectives))
+"""
+
+
+@pytest.mark.parametrize("order", ["libraries first", "dtlab first"])
+def test_the_work_arounds_are_in_force_after_importing_any_dtlab_module_in_either_order(order):
+    """``import dtlab.ds_config`` left dtlab._compat unloaded, so a learner's DeepSpeed run missed the ZeRO-3 fix."""
+    out = subprocess.run([sys.executable, "-c", _PROBE, order], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    assert out.stdout.split()[-2:] == [str((major, minor) < (2, 4)), "True"], out.stdout
+
+
+def test_import_dtlab_loads_neither_torch_nor_deepspeed():
+    out = subprocess.run([sys.executable, "-c", "import sys, dtlab, dtlab.ds_config; "
+                          "print('torch' in sys.modules, 'deepspeed' in sys.modules)"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
