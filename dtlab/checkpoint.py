@@ -123,6 +123,24 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+def _keywords_after(positional: int, example: str) -> Callable[[Callable], Callable]:
+    """Calls with more than ``positional`` positional arguments (code written when the rest were positional)
+    get a TypeError that shows the keyword form, not Python's bare "takes 1 positional argument"."""
+    import functools
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if len(args) > positional:
+                raise TypeError(f"{fn.__name__}() takes {positional} positional argument(s) and {len(args)} were "
+                                f"given; everything after them is a keyword since the optimizer, scheduler and "
+                                f"loader were added: {fn.__name__}({example})")
+            return fn(*args, **kwargs)
+        return call
+    return wrap
+
+
+@_keywords_after(1, "model, optimizer=opt, scheduler=sched, loader=loader, epoch=e, step=s")
 def training_state(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
                    scheduler: Any = None, loader: Any = None, epoch: int = 0, step: int = 0,
                    **extra: Any) -> dict[str, Any]:
@@ -168,6 +186,7 @@ def _snapshot(value: Any) -> Any:
     return value
 
 
+@_keywords_after(2, "state, model, optimizer=opt, scheduler=sched, loader=loader")
 def restore(state: dict[str, Any], model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
             scheduler: Any = None, loader: Any = None, restore_rng: bool = True,
             allow_new_world_size: bool = False) -> tuple[int, int]:

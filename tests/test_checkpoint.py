@@ -1,3 +1,4 @@
+import inspect
 import os
 import random
 import signal
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from spawn import run_on
+from torch import nn
 
 from dtlab import checkpoint, models
 
@@ -175,3 +177,23 @@ def test_restoring_the_same_state_twice_gives_the_same_start():
         fresh_opt.step()
         after.append([p.detach().clone() for p in fresh.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*after)), "the first restore trained the saved state on"
+
+
+def test_calls_written_with_positional_optimizer_get_the_keyword_form():
+    """Last month's README called ``training_state(model, opt, ...)`` and ``restore(state, model, opt, ...)``;
+    such code gets a message that shows the keyword form, and nothing is restored half-way."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"training_state\(model, optimizer=opt"):
+        checkpoint.training_state(model, opt, 0, 3)
+    state = checkpoint.training_state(model, optimizer=opt, step=3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    with pytest.raises(TypeError, match=r"restore\(state, model, optimizer=opt"):
+        checkpoint.restore(state, model, opt)
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert checkpoint.restore(state, model, optimizer=opt) == (0, 3)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert "optimizer" in str(inspect.signature(checkpoint.restore))
