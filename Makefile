@@ -2,7 +2,8 @@
 # make site: the newest run as a website in site/.
 # Both set up .venv first (idempotent; the first run builds Horovod and DeepSpeed ops, cached).
 # make test-runtime: the learner's Databricks Runtime 15.4 LTS ML stack in .venv-dbr15.4, every notebook
-# as a simulated Databricks job task, and the unit tests of code a cluster runs.
+# as a simulated Databricks job task, and the tests marked `cluster` (code a cluster runs).
+# make test-quick: the inner loop (no notebooks, nothing marked `slow`).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
@@ -11,16 +12,8 @@ export SPARK_LOCAL_IP ?= 127.0.0.1
 
 RUNTIME_VENV ?= .venv-dbr15.4
 RPY := $(RUNTIME_VENV)/bin/python
-# Unit tests of code that runs on a cluster, repeated on the runtime's library versions.
-RUNTIME_UNIT_TESTS ?= tests/test_checkpoint.py tests/test_tracking.py tests/test_spark.py tests/test_launch.py \
-	tests/test_distributed.py tests/test_notebook_widgets.py tests/test_clusters.py tests/test_environment.py \
-	tests/test_data.py tests/test_ds_config.py tests/test_planner_formulas.py tests/test_planner_measured.py \
-	tests/test_package.py tests/test_course.py tests/test_jobs.py \
-	tests/test_compat.py tests/test_fsdp.py tests/test_sharded_checkpoint.py tests/test_benchmarks.py \
-	tests/test_tensor_parallel.py tests/test_pipeline.py tests/test_context_parallel.py tests/test_expert_parallel.py \
-	tests/test_composition.py
 
-.PHONY: setup setup-runtime course site test test-runtime lint clean
+.PHONY: setup setup-runtime course site test test-quick test-runtime lint clean
 setup:
 	@bash scripts/setup.sh
 
@@ -35,12 +28,16 @@ site: setup
 test: setup
 	$(PY) -m pytest --ignore=tests/runtime $(PYTEST_ARGS)
 
+# The inner loop: unit tests without notebooks or slow ones (markers in pyproject.toml), under 3 minutes warm.
+test-quick: setup
+	$(PY) -m pytest --ignore=tests/runtime -m "not notebook and not slow" -q $(PYTEST_ARGS)
+
 setup-runtime:
 	@bash scripts/setup_runtime.sh
 
 test-runtime: export PYSPARK_PYTHON := $(abspath $(RPY))
 test-runtime: setup-runtime
-	$(RPY) -m pytest tests/runtime $(RUNTIME_UNIT_TESTS) $(PYTEST_ARGS)
+	$(RPY) -m pytest tests -m "runtime or cluster" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from dtlab import course
+from dtlab.tooling import runner as course
 
 TIMING_NOTEBOOKS = ["01", "02", "03", "04", "05", "08", "10", "14"]
 

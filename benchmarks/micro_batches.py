@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/micro_batches.py [--repeats 3] [--n-embd 256] [--micro-batches 4]
 
-Each repeat is one launch of ``dtlab.side_by_side.worker`` (2 gloo processes on a CPU): every strategy trains the
-same TinyGPT at 1 and M micro-batches per step; its step time (median) and the bytes one step puts on the
+Each repeat is one launch of ``dtlab.parallel.side_by_side.worker`` (2 gloo processes on a CPU): every strategy
+trains the same TinyGPT at 1 and M micro-batches per step; its step time (median) and the bytes one step puts on the
 loopback interface are set beside ``side_by_side.predict``, the planner's traffic priced with the collectives'
 costs measured in the same processes. Printed: a Markdown table of the medians over the repeats, with the spread
 of the measured times (max / min - 1).
@@ -12,9 +12,9 @@ of the measured times (max / min - 1).
 import argparse
 import statistics
 
-from dtlab import side_by_side
 from dtlab.environment import plan
 from dtlab.launch import run
+from dtlab.parallel import side_by_side
 
 
 def main() -> None:

@@ -12,9 +12,10 @@ slice). The memory model (dtlab.planner.formulas.model_states, fp32) predicts th
 import argparse
 import statistics
 
-from dtlab import fsdp2, models
+from dtlab import models
 from dtlab.environment import plan
 from dtlab.launch import run
+from dtlab.parallel import fsdp2
 from dtlab.planner.formulas import model_states
 
 STRATEGIES = ["DDP", "ZeRO-3 (DeepSpeed)", "FSDP2", "scratch FSDP"]
@@ -41,8 +42,9 @@ def compare(cfg, order):
     from deepspeed.utils import logger
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from dtlab import data, ds_config, fsdp2
+    from dtlab import data, ds_config
     from dtlab.distributed import local_device
+    from dtlab.parallel import fsdp2
     from dtlab.parallel.fsdp import ScratchFSDP
     from dtlab.parallel.zero import held_elements
 

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/speedup.py [--steps 20] [--repeats 2]
 
 For each configuration: one process and two processes train the same MLP (1 thread each), back to
-back in this run; the model (dtlab.speedup) predicts the 2-process speed-up from the compute of the
+back in this run; the model (dtlab.planner.speedup) predicts the 2-process speed-up from the compute of the
 two processes (a DDP step whose hook sends nothing) and the all-reduce of the gradient bytes, both
 measured interleaved with the DDP steps in the same processes. Repeats are interleaved launches;
 the median is reported, with the spread of the measured speed-up.
@@ -13,7 +13,7 @@ import argparse
 import statistics
 
 from dtlab.environment import plan
-from dtlab.speedup import measure_speedup
+from dtlab.planner.speedup import measure_speedup
 
 CONFIGS = {
     "batch 8": dict(batch=8),

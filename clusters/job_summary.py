@@ -1,9 +1,9 @@
-"""The course job's last task: every lesson's status in one table (see dtlab.jobs).
+"""The course job's last task: every lesson's status in one table (see dtlab.tooling.jobs).
 
 databricks.yml runs it with `run_if: ALL_DONE` and the parameter {{job.run_id}}.
 """
 import sys
 
-from dtlab import jobs
+from dtlab.tooling import jobs
 
 sys.exit(jobs.main())

@@ -1,42 +1,39 @@
 """dtlab — the helpers shared by the distributed-training course and your own notebooks.
 
-One module per concept; import the one you need:
+Its folders are its map. At the top, what a learner imports, one module per concept:
 
     dtlab.environment  what the machine has; backend/device/process count (nccl+GPUs or gloo+CPU)
     dtlab.distributed  rank/world helpers, set-up and teardown, rank-0-only work, seeding
+    dtlab.launch       run a function (even one defined in a notebook) on N processes
     dtlab.models       MLP, SmallResNet, TinyGPT, count_parameters
     dtlab.data         deterministic synthetic data, scikit-learn digits, DistributedLoader
     dtlab.checkpoint   atomic save, safe load, exact training state, periodic Checkpointer
     dtlab.sharded_checkpoint  DCP checkpoints: one file per rank, any world size loads them; atomic, checked
     dtlab.resumable    the training loop that resumes exactly after being killed (notebook 10)
     dtlab.faults       faults on purpose: kill a checkpoint writer, a stuck or dead peer
-    dtlab.tracking     MLflow from rank 0: local SQLite store, Databricks, local server
-    dtlab.measure      StepTimer, throughput, profiler breakdown by training phase
+    dtlab.measure      StepTimer, throughput, profiler breakdown, max_diff against the rounding bound
     dtlab.live         LiveView: progress + loss curve in Jupyter, plain lines headless
-    dtlab.launch       run a function (even one defined in a notebook) on N processes
-    dtlab.parallel     from-scratch strategies, one file each: data_parallel (DDP), zero (ZeRO-1), fsdp (FSDP),
-                       tensor, pipeline, context (ring attention), expert (mixture of experts)
-    dtlab.fsdp2        PyTorch's fully_shard: which torch has it, what a rank holds
-    dtlab.dtensor      PyTorch's DTensor names on torch 2.3 and newer; collectives counted, activations saved
-    dtlab.pipelining   which torch runs torch.distributed.pipelining, on which backend
-    dtlab.composition  a checked, named device mesh for composing parallelism
-    dtlab.planner      will it fit, how fast, which strategy: formulas, cost model, advice (``dtlab advise``),
-                       held to published training runs
-    dtlab.side_by_side DDP, ZeRO-3, FSDP2 and the scratch FSDP trained side by side: step time, bytes on the wire
-    dtlab.bandwidth    collective timing, algbw/busbw, memory-copy ceiling
-    dtlab.spark        the Databricks Spark session, or a quiet local one
-    dtlab.raytrain     Ray for the lessons: a quiet local Ray, data as Parquet, requests checked, strays found
-    dtlab.hardware     GPUs, instance types and clusters: memory, FLOP/s, links (one home for these facts)
-    dtlab.memory, dtlab.advise  old names of dtlab.planner's parts (kept one release, with a warning)
-    dtlab.ds_config    build and validate DeepSpeed configs
+    dtlab.bandwidth    collective timing, algbw/busbw, memory-copy ceiling, collectives counted
     dtlab.precision    number formats; a DDP compression hook that counts its bytes
-    dtlab.speedup      the speed-up model (compute vs all-reduce) and its measurement
-    dtlab.clusters     validate Databricks cluster files and the bundle offline
-    dtlab.notebook     notebook parameters from Databricks widgets
-    dtlab.course       run the course notebooks headless (``dtlab course run``)
-    dtlab.website      a course run as a static website, checked page by page in headless Chromium (``make site``)
-    dtlab.jobs         the Databricks job's summary of every lesson's status
-    dtlab.cli          the ``dtlab`` command: env, advise (memory), course, site, clusters
+    dtlab.ds_config    build and validate DeepSpeed configs
+    dtlab.tracking     MLflow from rank 0: local SQLite store, Databricks, local server
+    dtlab.spark        the Databricks Spark session, or a quiet local one; task slots checked
+    dtlab.raytrain     Ray for the lessons: a quiet local Ray, data as Parquet, requests checked, strays found
+    dtlab.notebook     notebook parameters from Databricks widgets, and Claims: what a lesson asserts
+
+Then three folders:
+
+    dtlab.parallel     each strategy from scratch (data_parallel, zero, fsdp, tensor, pipeline, context,
+                       expert) beside the thin wrappers of its PyTorch API (fsdp2, dtensor, pipelining),
+                       the named device mesh that composes them (mesh) and the side-by-side measurement
+    dtlab.planner      will it fit, how fast, which strategy (``dtlab advise``): hardware facts, formulas,
+                       cost model, advice, the speed-up model, held to published training runs
+    dtlab.tooling      the course's own tooling: the ``dtlab`` command (cli), the notebook runner (runner),
+                       the website, the Databricks job summary (jobs) and cluster validation (clusters)
+
+``dtlab.memory`` and ``dtlab.advise`` are old names of the planner's parts, and the modules that moved
+into the folders (``dtlab.fsdp2``, ``dtlab.hardware``, ``dtlab.course``, ...) keep their old paths: each
+works for one release with a DeprecationWarning naming the new one.
 
 Modules load on first use, so ``import dtlab`` is quick and ``dtlab.checkpoint`` just works.
 Try ``help(dtlab.checkpoint)``, or ``dtlab env`` in a shell.
@@ -45,6 +42,9 @@ Try ``help(dtlab.checkpoint)``, or ``dtlab env`` in a shell.
 import importlib
 
 from dtlab import _compat  # noqa: F401  (work-arounds for the learner's torch and DeepSpeed, on any dtlab import)
+from dtlab._moved import MOVED, install_old_paths
+
+install_old_paths()
 
 __version__ = "0.1.0"
 
@@ -60,7 +60,7 @@ MODULES = _find_modules()
 
 
 def __getattr__(name: str):
-    if name in MODULES:
+    if name in MODULES or name in MOVED:
         return importlib.import_module(f"dtlab.{name}")
     raise AttributeError(f"module 'dtlab' has no attribute {name!r}. Its modules: {', '.join(MODULES)}")
 

@@ -1,4 +1,5 @@
-"""Measuring training: a step timer, throughput, and a profiler breakdown by training phase.
+"""Measuring training: a step timer, throughput, a profiler breakdown by training phase, and how far two
+trainings' weights are apart (``max_diff``, against the rounding bound ``reduction_tolerance``).
 
 GPU work is asynchronous: a CUDA kernel is queued and Python moves on. A timer that does not
 call ``torch.cuda.synchronize()`` measures the queueing, not the work. ``StepTimer`` does the
@@ -141,6 +142,31 @@ def reduction_tolerance(n_terms: int, steps: int, scale: float, eps: float = FLO
     if n_terms < 1 or steps < 1 or scale < 0 or not math.isfinite(scale):
         raise ValueError(f"need n_terms >= 1, steps >= 1 and a finite scale >= 0 (got {n_terms}, {steps}, {scale})")
     return n_terms * eps * steps * max(scale, eps)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts: the number every "distributed equals one
+    process" comparison of the course holds against ``reduction_tolerance``.
+
+    ``a`` and ``b`` map names to tensors (a ``state_dict()``), or are results that hold one under
+    ``"weights"``. Tensors are compared in float32 on the CPU, so bf16 weights and GPU weights compare
+    too. When one side has extra entries (DDP's buffers, a strategy's scratch), the comparison runs over
+    the names the other side has; names neither side shares are an error, not a silent 0.
+
+    >>> max_diff({"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([1.0, 2.5])})
+    0.5
+    """
+    a, b = (x["weights"] if isinstance(x.get("weights"), dict) else x for x in (a, b))
+    if a.keys() <= b.keys():
+        names = list(a)
+    elif b.keys() <= a.keys():
+        names = list(b)
+    else:
+        raise ValueError(f"the two state dicts do not hold the same tensors: only in the first "
+                         f"{sorted(a.keys() - b.keys())[:5]}, only in the second {sorted(b.keys() - a.keys())[:5]}")
+    if not names:
+        raise ValueError("nothing to compare: a state dict is empty")
+    return max((a[k].detach().float().cpu() - b[k].detach().float().cpu()).abs().max().item() for k in names)
 
 
 def memory_in_use(device: torch.device | str = "cpu") -> int:

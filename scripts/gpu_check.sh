@@ -16,7 +16,7 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
        "with the CUDA build of torch installed before make setup (README: On a GPU machine)." >&2
   exit 3
 fi
-{ command -v nvidia-smi >/dev/null && nvidia-smi; "$PY" -m dtlab.cli env; } > "$out/environment.txt" 2>&1
+{ command -v nvidia-smi >/dev/null && nvidia-smi; "$PY" -m dtlab env; } > "$out/environment.txt" 2>&1
 
 status=0
 # The GPU-only tests, and the multi-process tests whose devices follow the plan.
@@ -25,7 +25,7 @@ status=0
 "$PY" -m pytest -q tests/test_environment.py tests/test_distributed.py tests/test_data_parallel.py \
     tests/test_zero.py > "$out/device-tests.txt" 2>&1 || status=1
 # The course, as a learner on this machine runs it.
-"$PY" -m dtlab.cli course run --ci --runs "$out" -q > "$out/course.txt" 2>&1 || status=1
+"$PY" -m dtlab course run --ci --runs "$out" -q > "$out/course.txt" 2>&1 || status=1
 
 {
   echo "# GPU check $(date -u +%Y-%m-%dT%H:%MZ)"

@@ -11,7 +11,23 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
+
+
+# --- markers: which suite runs a test (declared in pyproject.toml, rule in the README's "Tests") ---------
+#   slow     takes 3 s or more warm on 2 cores (a cluster, a server, a browser, a set-up, several launches):
+#            left out of `make test-quick`
+#   cluster  tests code a Databricks cluster runs (a job task, a notebook cell, a launched worker) with
+#            libraries the runtime pins at other versions: `make test-runtime` repeats it on that stack
+#   gpu      needs a CUDA GPU: skipped here with the reason, never faked
+#   notebook, runtime  a course notebook run (make test), a simulated Databricks job task (make test-runtime)
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 # --- nothing a test starts may outlive it ----------------------------------------------------------

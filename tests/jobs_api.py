@@ -1,4 +1,4 @@
-"""A workspace's Jobs API for one job run, served on 127.0.0.1, for the tests of ``dtlab.jobs``.
+"""A workspace's Jobs API for one job run, served on 127.0.0.1, for the tests of ``dtlab.tooling.jobs``.
 
 Databricks' ``GET /api/2.1/jobs/runs/get`` (and 2.2, which newer databricks-sdk versions call) with the run's JSON,
 answering only requests that carry the token, as the workspace does; what the Databricks SDK sends is real.

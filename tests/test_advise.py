@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from dtlab import cli, hardware
-from dtlab.planner import advise, formulas
+from dtlab.planner import advise, formulas, hardware
 from dtlab.planner import formulas as memory
+from dtlab.tooling import cli
 
 GB = 1e9
 
@@ -199,6 +199,7 @@ def _fsdp_held(cfg):
     return held
 
 
+@pytest.mark.slow
 def test_zero3_per_rank_states_match_a_measured_fsdp_at_two_ranks():
     # The scratch FSDP of notebook 12, run on 2 gloo processes in fp32 with AdamW: what each rank really holds,
     # counted, against the advisor's ZeRO-3 row for the same number of parameters (bytes / 4 = elements).

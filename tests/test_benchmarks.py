@@ -5,11 +5,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dtlab import fsdp2
+import pytest
+
+from dtlab.parallel import fsdp2
+
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_sharding_benchmark_memory_model_within_5_percent():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sharding.py"), "--steps", "1", "--repeats", "1",
                           "--n-embd", "32", "--n-layer", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)

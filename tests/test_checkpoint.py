@@ -10,10 +10,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from spawn import run_on
 from torch import nn
 
 from dtlab import checkpoint, models
+from dtlab.launch import run
+
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
 
 
 def _trained_pair(seed=0):
@@ -81,6 +83,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_kill_9_during_writes_always_leaves_a_loadable_checkpoint(tmp_path):
     path = tmp_path / "ck.pt"
     rng = random.Random(0)
@@ -145,8 +148,9 @@ def _rank0_writer(directory):
     return seen
 
 
+@pytest.mark.slow
 def test_save_on_rank0_writes_once_and_everyone_can_read(tmp_path):
-    assert run_on(2, _rank0_writer, str(tmp_path)) == [0, 0]
+    assert run(_rank0_writer, str(tmp_path), nprocs=2) == [0, 0]
     assert os.listdir(tmp_path) == ["shared.pt"]
 
 

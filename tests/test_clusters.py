@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dtlab import cli, clusters
+from dtlab.tooling import cli, clusters
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "clusters"
@@ -180,7 +180,7 @@ def test_cli_exit_codes(capsys):
 
 
 def test_cli_default_validates_the_repo_files():
-    result = subprocess.run([sys.executable, "-m", "dtlab.cli", "clusters", "validate"], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "dtlab", "clusters", "validate"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     for path in REPO_FILES:
@@ -218,13 +218,13 @@ def test_the_package_keeps_its_names_and_splits_by_concern():
              "NodeType", "BUNDLES_PIN"]
     assert set(names) <= set(clusters.__all__) and all(hasattr(clusters, name) for name in clusters.__all__)
     for part in ("problems", "schema", "rules", "bundle", "artifacts", "files", "offer"):
-        module = importlib.import_module(f"dtlab.clusters.{part}")
+        module = importlib.import_module(f"dtlab.tooling.clusters.{part}")
         assert module.__doc__ and len(module.__doc__.split()) > 10, part
         assert len(Path(module.__file__).read_text().splitlines()) < 250, f"{part}.py: one concern, short"
 
 
 def test_node_facts_come_from_dtlab_hardware():
-    from dtlab import hardware
+    from dtlab.planner import hardware
 
     assert clusters.GPU_NODE_TYPES is hardware.NODE_TYPES
     four = clusters.offers(ROOT / "clusters" / "g5-12xlarge-4-nodes.yml")
@@ -232,12 +232,12 @@ def test_node_facts_come_from_dtlab_hardware():
     assert four.cluster.gpus == 16 and four.cluster.gpu is hardware.gpu("A10G") and four.cluster.nodes == 4
     problems = clusters.cluster_problems({"node_type_id": "g6.12xlarge", "spark_version": "15.4.x-gpu-ml-scala2.12",
                                           "num_workers": 2, "autotermination_minutes": 30})
-    assert any("not know" in p and "dtlab.hardware.NODE_TYPES" in p for p in problems), problems
+    assert any("not know" in p and "dtlab.planner.hardware.NODE_TYPES" in p for p in problems), problems
 
 
 def test_find_root_falls_back_to_the_folder_above_the_package(tmp_path):
     assert clusters.find_root(ROOT / "tests") == ROOT
-    assert (clusters.find_root(tmp_path) / "dtlab" / "clusters" / "__init__.py").is_file()
+    assert (clusters.find_root(tmp_path) / "dtlab" / "tooling" / "clusters" / "__init__.py").is_file()
 
 
 @pytest.mark.parametrize("amount, says", [("0.5", "int()"), ("1.0", "int()"), ("2", "never assembles"),

@@ -10,6 +10,8 @@ import torch
 
 from dtlab import launch
 
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
 
 def _sweep_then_destroy():
     import torch.distributed as dist
@@ -23,6 +25,7 @@ def _sweep_then_destroy():
     return len(seconds), patched
 
 
+@pytest.mark.slow
 def test_destroying_a_gloo_group_right_after_collectives_does_not_deadlock():
     """torch 2.3.1 (Databricks 15.4) hung in ~ProcessGroupGloo in 9 of 15 such launches without dtlab._compat."""
     major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
@@ -66,6 +69,7 @@ print(getattr(dist.destroy_process_group, "_dtlab", False), _compat._padding_is_
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["libraries first", "dtlab first"])
 def test_the_work_arounds_are_in_force_after_importing_any_dtlab_module_in_either_order(order):
     """``import dtlab.ds_config`` left dtlab._compat unloaded, so a learner's DeepSpeed run missed the ZeRO-3 fix."""

@@ -4,8 +4,11 @@ dtlab.planner.cost: tests/test_planner_cost.py)."""
 import pytest
 import torch
 
-from dtlab import composition, fsdp2
 from dtlab.launch import WorkerError, run
+from dtlab.parallel import fsdp2
+from dtlab.parallel import mesh as composition
+
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
 
 
 def fsdp_tp_worker() -> dict:
@@ -17,7 +20,7 @@ def fsdp_tp_worker() -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from dtlab import models
-    from dtlab.dtensor import full
+    from dtlab.parallel.dtensor import full
 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
@@ -50,6 +53,7 @@ def fsdp_tp_worker() -> dict:
     return diff
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not fsdp2.AVAILABLE,
                     reason=f"fully_shard needs torch >= {fsdp2.NEEDS_TORCH}; this is {torch.__version__}")
 def test_fsdp2_times_tensor_parallel_on_a_2d_mesh_equals_one_process():

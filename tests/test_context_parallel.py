@@ -19,6 +19,9 @@ from dtlab.parallel import context as cpmod
 B, H, T, D = 2, 2, 24, 8
 
 
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
+
 def ring_worker() -> dict:
     import torch.distributed as dist
 

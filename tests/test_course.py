@@ -6,7 +6,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from dtlab import cli, course
+from dtlab.tooling import cli
+from dtlab.tooling import runner as course
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -110,6 +111,7 @@ def test_every_parameter_of_every_notebook_is_found_with_its_default(path):
         ast.literal_eval(default)  # a plain value, nothing glued on
 
 
+@pytest.mark.slow
 def test_stop_leftovers_waits_for_processes_that_are_exiting_and_stops_the_rest():
     import subprocess
     import sys

@@ -3,6 +3,8 @@ import torch
 
 from dtlab import data
 
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
 
 def test_synthetic_sets_are_deterministic_and_shaped():
     a, b = data.synthetic_classification(100, 8, 3, seed=1), data.synthetic_classification(100, 8, 3, seed=1)

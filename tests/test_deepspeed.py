@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from dtlab._compat import leftover_deepspeed_shm
 from dtlab.launch import run
+from dtlab.measure import max_diff
 
 STEPS, LOCAL_BATCH = 3, 8
 
@@ -73,13 +74,14 @@ def ddp_result():
     return run(train, None, nprocs=2, timeout=300)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_trains_the_same_weights_as_ddp_and_holds_what_the_model_says(stage, ddp_result):
     results = run(train, stage, nprocs=2, timeout=300)
     for r in results:
         # Two ranks sum a gradient in one order only, and DeepSpeed runs torch's AdamW here
         # (ds_config's torch_adam): the same arithmetic as DDP, so the same bits.
-        diff = max((r["state"][k] - ddp_result["state"][k]).abs().max().item() for k in r["state"])
+        diff = max_diff(r["state"], ddp_result["state"])
         assert diff == 0, f"stage {stage} drifted from DDP by {diff:.2e}"
 
     psi, n = sum(p.numel() for p in _model().parameters()), 2
@@ -104,6 +106,7 @@ def _init_deepspeed():
     return int(os.environ["LOCAL_SIZE"])
 
 
+@pytest.mark.slow
 def test_a_launch_leaves_no_deepspeed_shared_memory_behind():
     # DeepSpeed's CPU all-reduce creates a 66 MB /dev/shm file per rank and never removes it (324 of them,
     # 21 GB, had filled this machine's memory); dtlab.launch removes its workers' files after they exit.
@@ -112,6 +115,7 @@ def test_a_launch_leaves_no_deepspeed_shared_memory_behind():
     assert leftover_deepspeed_shm() - before == set()
 
 
+@pytest.mark.slow
 def test_a_process_that_imports_dtlab_removes_its_deepspeed_shared_memory_at_exit(tmp_path):
     import os
     import subprocess

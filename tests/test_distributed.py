@@ -3,9 +3,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from spawn import run_on
 
 from dtlab import distributed
+from dtlab.launch import run
+
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
 
 
 def _collectives_worker():
@@ -23,7 +25,7 @@ def _collectives_worker():
 
 
 def test_setup_teardown_and_rank_helpers_on_two_processes():
-    results = run_on(2, _collectives_worker)
+    results = run(_collectives_worker, nprocs=2)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["world"] == 2 and r["sum"] == 3.0 and r["backend"] == "gloo" for r in results)
     assert [r["main"] for r in results] == [True, False]
@@ -118,7 +120,7 @@ def _fails_on_rank_1_while_rank_0_communicates():
 def test_a_failing_rank_leaves_at_once_and_its_peer_fails_fast_not_at_the_timeout(monkeypatch):
     # The gloo timeout here is 60 s (DTLAB_TIMEOUT_S, conftest). With a barrier in teardown's
     # `finally`, rank 1 sat in it until then and rank 0's all_reduce waited as long.
-    results = run_on(2, _fails_on_rank_1_while_rank_0_communicates)
+    results = run(_fails_on_rank_1_while_rank_0_communicates, nprocs=2)
     assert results[1]["error"] == "ValueError: rank 1's real error", "the first error stays the error"
     assert results[1]["seconds"] < 5
     assert results[0]["error"] is not None, "rank 0's all_reduce could not have succeeded"
@@ -135,6 +137,6 @@ def _agree_and_broadcast(values):
 
 
 def test_all_agree_and_broadcast_object():
-    results = run_on(2, _agree_and_broadcast, [True, False])
+    results = run(_agree_and_broadcast, [True, False], nprocs=2)
     assert all(r["agree"] == [True, False] for r in results)
     assert all(r["broadcast"] == {"from": 1} and r["device"] == "cpu" for r in results)

@@ -2,6 +2,8 @@ import pytest
 
 from dtlab.ds_config import ConfigError, build, validate
 
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
 
 def test_build_makes_consistent_configs():
     cfg = build(stage=2, micro_batch=8, accumulation=4, world_size=16, precision="bf16", offload_optimizer=True)

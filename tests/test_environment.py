@@ -4,9 +4,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import requires_gpu
 
 from dtlab import environment
+
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only default")
@@ -16,7 +17,7 @@ def test_cpu_machine_plans_gloo_with_default_process_count():
     assert "no CUDA GPU" in p.reason
 
 
-@requires_gpu
+@pytest.mark.gpu
 def test_gpu_machine_plans_nccl_one_process_per_gpu():
     p = environment.plan()
     assert (p.backend, p.device, p.nprocs) == ("nccl", "cuda", torch.cuda.device_count())

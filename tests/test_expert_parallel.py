@@ -15,6 +15,9 @@ from dtlab.parallel import expert as epmod
 D, HIDDEN, TOKENS = 8, 16, 12
 
 
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
+
 def make_moe(experts: int, capacity_factor: float) -> epmod.MoE:
     torch.manual_seed(0)
     return epmod.MoE(D, HIDDEN, experts, k=2, capacity_factor=capacity_factor)

@@ -1,6 +1,6 @@
 """FSDP from scratch (dtlab.parallel.fsdp) must train exactly what one process trains.
 
-The reference is one process that computes each step's gradient as the ranks do: each rank's
+The reference is one process that computes each step's gradient as the ranks do (``tests/strategy.py``): each rank's
 slice of the batch separately, the gradients summed (for two ranks a sum of two numbers, which has
 one result whatever the order) and divided by the world size. Sharding only moves numbers around,
 so at N = 2 in fp32 the weights after every step must be *equal* (``torch.equal``), not close.
@@ -15,13 +15,18 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from strategy import combine_as_ranks_do, rank_gradients
 from torch import nn
 
-from dtlab import fsdp2, models
+from dtlab import models
 from dtlab.launch import WorkerError, run
-from dtlab.measure import FLOAT32_EPS
+from dtlab.measure import FLOAT32_EPS, max_diff
+from dtlab.parallel import fsdp2
 
 STEPS, LOCAL_BATCH = 3, 4
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
+
 SGD = dict(lr=0.1, momentum=0.9, weight_decay=0.01)
 ADAMW = dict(lr=1e-2, eps=1e-4, weight_decay=0.1)  # eps: see the N = 3 test
 
@@ -110,19 +115,10 @@ def reference(kind, world, opt="sgd", dtype=None):
     xs, ys = batches(kind, world)
     states, grad_sums = [], []
     for step in range(STEPS):
-        o.zero_grad()
-        per_rank = []
-        for rank in range(world):
-            rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-            for p in params:
-                p.grad = None
-            loss_of(model, kind, xs[step][rows], ys[step][rows]).backward()
-            per_rank.append([p.grad.clone() for p in params])
-        for i, p in enumerate(params):
-            total = per_rank[0][i]
-            for grads in per_rank[1:]:
-                total = total + grads[i]
-            p.grad = total / world
+        per_rank = rank_gradients(params, lambda rows, x=xs[step], y=ys[step]: loss_of(model, kind, x[rows], y[rows]),
+                                  world, LOCAL_BATCH)
+        for p, g in zip(params, combine_as_ranks_do(per_rank, world, divide_first=False)):
+            p.grad = g
         grad_sums.append(max(sum(g[i].abs() for g in per_rank).max().item() for i in range(len(params))))
         o.step()
         states.append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -200,7 +196,7 @@ def test_summing_instead_of_averaging_would_be_caught():
     o.zero_grad()
     loss_of(model, "mixed", xs[0], ys[0]).backward()
     o.step()
-    biggest = max((model.state_dict()[n] - averaged[0][n]).abs().max().item() for n in averaged[0])
+    biggest = max_diff(averaged[0], model.state_dict())
     assert biggest > 1e-3
 
 
@@ -214,7 +210,7 @@ def test_three_ranks_with_adamw_stay_within_the_derived_bound():
     results = run(train_fsdp, "mixed", "adamw", nprocs=3)
     for res in results:
         final = res["states"][-1]
-        diff = max((final[n] - ref[-1][n]).abs().max().item() for n in final)
+        diff = max_diff(final, ref[-1])
         assert diff <= bound, f"{diff:.3g} > bound {bound:.3g}"
     a, b = results[0]["states"][-1], results[2]["states"][-1]
     assert all(torch.equal(a[n], b[n]) for n in a), "every rank gathers the same model"
@@ -223,10 +219,10 @@ def test_three_ranks_with_adamw_stay_within_the_derived_bound():
 def test_fp16_compute_matches_one_process_with_the_same_casts():
     ref, _ = reference("mixed", 2, dtype=torch.float16)
     results = run(train_fsdp, "mixed", "sgd", torch.float16, nprocs=2)
-    diff = max((results[0]["states"][-1][n] - ref[-1][n]).abs().max().item() for n in ref[-1])
+    diff = max_diff(results[0]["states"][-1], ref[-1])
     assert diff <= 1e-4
     fp32, _ = reference("mixed", 2)
-    assert max((fp32[-1][n] - ref[-1][n]).abs().max().item() for n in ref[-1]) > diff, "fp16 is not a no-op"
+    assert max_diff(fp32[-1], ref[-1]) > diff, "fp16 is not a no-op"
 
 
 def test_each_rank_holds_its_slices_and_the_replicated_parameters_exactly():
@@ -335,7 +331,7 @@ def train_fsdp2(kind):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dtlab.fsdp2 import full_state
+    from dtlab.parallel.fsdp2 import full_state
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     torch.use_deterministic_algorithms(True)

@@ -1,11 +1,11 @@
-"""dtlab.hardware: the one home of GPU, instance-type and cluster facts, and its look-ups."""
+"""dtlab.planner.hardware: the one home of GPU, instance-type and cluster facts, and its look-ups."""
 
 from pathlib import Path
 
 import pytest
 
-from dtlab import clusters, hardware
-from dtlab.planner import advise, formulas
+from dtlab.planner import advise, formulas, hardware
+from dtlab.tooling import clusters
 
 ROOT = Path(__file__).resolve().parent.parent
 

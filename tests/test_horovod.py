@@ -6,21 +6,20 @@ from pathlib import Path
 import horovod
 import pytest
 import torch
-from test_data_parallel import (
-    LOCAL_BATCH,
+from strategy import (
     LR,
-    STEPS,
-    _perturbed,
-    loss_of,
-    make_batches,
     make_model,
     max_diff,
+    perturbed,
     reference,
     tolerance,
-    train_distributed,
+    train_data_parallel,
+    train_rank_share,
 )
 
 from dtlab.launch import run
+
+pytestmark = pytest.mark.slow  # every test here starts a cluster, a browser, a set-up or several launches
 
 
 @pytest.fixture(autouse=True)
@@ -36,26 +35,21 @@ def train_horovod(kind, fp16=False):
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
     torch.manual_seed(100 + rank)
-    model = make_model(kind) if rank == 0 else _perturbed(make_model(kind))  # broadcast must fix this
+    model = make_model(kind) if rank == 0 else perturbed(make_model(kind))  # broadcast must fix this
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
     opt = hvd.DistributedOptimizer(opt, named_parameters=[(n, p) for n, p in model.named_parameters()
                                                           if p.requires_grad],
                                    compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    xs, ys = make_batches(kind, LOCAL_BATCH * world)
-    rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss_of(model, kind, xs[step][rows], ys[step][rows]).backward()
-        opt.step()
+    train_rank_share(model, opt, kind, rank, world)
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 @pytest.mark.parametrize("kind", ["mlp", "tied"])
 def test_horovod_equals_one_process_and_ddp(kind):
     results = horovod.run(train_horovod, args=(kind,), num_proc=2, hosts="localhost:2", use_gloo=True)
-    ddp = run(train_distributed, kind, "ddp", nprocs=2)[0]
+    ddp = run(train_data_parallel, kind, "ddp", nprocs=2)[0]
     ref = reference(kind, 2)
     for r in results:
         assert max_diff(r["state"], ref) <= tolerance(ref, 2)

@@ -1,16 +1,19 @@
-"""dtlab.jobs, the course job's summary task: its table, its login and its reading of a run through the Databricks SDK
-(against tests/jobs_api.py's Jobs API on 127.0.0.1). tests/runtime runs clusters/job_summary.py itself on the
-runtime's SDK."""
+"""dtlab.tooling.jobs, the course job's summary task: its table, its login and its reading of a run through the
+Databricks SDK (against tests/jobs_api.py's Jobs API on 127.0.0.1). tests/runtime runs clusters/job_summary.py
+itself on the runtime's SDK."""
 
 import sys
 from pathlib import Path
 
 import pytest
 
-from dtlab import jobs
+from dtlab.tooling import jobs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from jobs_api import JobsAPI  # noqa: E402
+
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
 
 RUN = {"run_id": 7, "tasks": [
     {"task_key": "nb01_single_device_baseline", "start_time": 62000, "end_time": 92000,

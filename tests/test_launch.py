@@ -8,6 +8,9 @@ from dtlab import launch
 
 # Functions made the way a notebook makes them: they live in __main__, which no child can import,
 # so they must travel by value.
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
+
 NOTEBOOK_CODE = '''
 def notebook_fn(base):
     import os
@@ -84,6 +87,7 @@ def _hang_on_rank_0():
     return "done"
 
 
+@pytest.mark.slow
 def test_a_hanging_rank_times_out_naming_it():
     with pytest.raises(launch.LaunchTimeout, match=r"ranks \[0\] had not finished after 3 s") as info:
         launch.run(_hang_on_rank_0, nprocs=2, timeout=3)
@@ -91,15 +95,18 @@ def test_a_hanging_rank_times_out_naming_it():
     assert _no_workers_left()
 
 
-def _exit_hard():
+def _rank_1_exits(code):
     if os.environ["RANK"] == "1":
-        os._exit(7)
+        os._exit(code)
     time.sleep(3600)
 
 
-def test_a_rank_that_dies_without_raising_is_reported():
-    with pytest.raises(launch.WorkerError, match="rank 1 failed: process exited with code 7"):
-        launch.run(_exit_hard, nprocs=2, timeout=60)
+@pytest.mark.parametrize("code, says", [(7, "process exited with code 7"),
+                                        (0, "process exited with code 0 without returning")])
+def test_a_rank_that_exits_without_raising_is_reported_at_once(code, says):
+    # Before the launcher watched process exits, a clean exit (code 0) waited for the whole launch timeout (600 s).
+    with pytest.raises(launch.WorkerError, match=f"rank 1 failed: {says}"):
+        launch.run(_rank_1_exits, code, nprocs=2, timeout=120)
     assert _no_workers_left()
 
 
@@ -116,6 +123,7 @@ def test_too_many_processes_is_refused():
         launch.run(print, nprocs=10_000)
 
 
+@pytest.mark.slow
 def test_a_script_without_a_main_guard_gets_the_fix(tmp_path):
     import subprocess
     import sys
@@ -141,6 +149,7 @@ def _returns_then_hangs_in_teardown():
     return "done"
 
 
+@pytest.mark.slow
 def test_a_teardown_that_hangs_after_returning_does_not_lose_the_result(capfd):
     start = time.monotonic()
     assert launch.run(_returns_then_hangs_in_teardown, nprocs=2, timeout=120) == ["done", "done"]
@@ -162,19 +171,6 @@ def test_workers_see_the_environment_as_it_is_at_each_launch(monkeypatch):
     assert launch.run(_read_env, "DTLAB_TEST_LATE_VARIABLE", nprocs=1) == [None], "an unset variable is gone too"
     assert launch.run(_read_env, "RANK", nprocs=2, env={"RANK": "ignored"}) == ["ignored", "ignored"], \
         "env= is applied last, as documented"
-
-
-def _exit_zero_without_result():
-    if os.environ["RANK"] == "1":
-        os._exit(0)
-    time.sleep(3600)
-
-
-def test_a_rank_that_exits_cleanly_without_a_result_is_reported_at_once():
-    # Before the launcher watched process exits, this waited for the whole launch timeout (600 s).
-    with pytest.raises(launch.WorkerError, match="rank 1 failed: process exited with code 0 without returning"):
-        launch.run(_exit_zero_without_result, nprocs=2, timeout=120)
-    assert _no_workers_left()
 
 
 def _chatty_rank_0_dead_rank_1():

@@ -5,8 +5,9 @@
 import pytest
 import torch
 
-from dtlab import clusters, launch, resumable
-from dtlab.clusters import bundle
+from dtlab import launch, resumable
+from dtlab.tooling import clusters
+from dtlab.tooling.clusters import bundle
 
 BUNDLE = """
 bundle: {name: unreadable-notebooks}
@@ -63,6 +64,7 @@ def test_crash_steps_accepts_none_one_step_a_list_and_the_command_lines_text():
     assert resumable.crash_steps({"crash_at_step": "7,15"}) == [7, 15]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_three_process_run_resumes_bitwise(tmp_path):
     """With 3 ranks DDP's bucket regrouping after a restart changes the order of some sums; the ordered hook

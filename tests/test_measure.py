@@ -64,3 +64,15 @@ def test_phase_breakdown_names_a_missing_label():
 
 def test_matmul_flops_is_measured():
     assert measure.matmul_flops("cpu", torch.float32, n=64, repeats=2) > 1e6
+
+
+def test_max_diff_compares_state_dicts_or_results_and_refuses_unrelated_ones():
+    from dtlab.measure import max_diff
+
+    a = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
+    b = {"w": torch.tensor([1.0, 2.25], dtype=torch.bfloat16), "b": torch.tensor([0.0]), "extra": torch.ones(1)}
+    assert max_diff(a, b) == 0.5                      # over the names both hold; bf16 compared in float32
+    assert max_diff({"weights": a}, {"weights": b, "steps": 3}) == 0.5
+    assert max_diff(a, a) == 0.0
+    with pytest.raises(ValueError, match="only in the first"):
+        max_diff({"x": torch.ones(1)}, {"y": torch.ones(1)})

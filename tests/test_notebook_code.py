@@ -95,7 +95,7 @@ def _plan_statements(path):
 
 
 def _lesson_parameter_sets(path):
-    from dtlab import course
+    from dtlab.tooling import runner as course
 
     ci = course.ci_parameters(path)
     return {"defaults": {}, "ci": ci, "alt": {**ci, **course.alt_parameters(path)}}

@@ -8,6 +8,8 @@ import pytest
 
 from dtlab.notebook import apply_databricks_widgets
 
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
 
 class Widgets:
     def __init__(self, job_values):

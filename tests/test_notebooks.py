@@ -13,7 +13,7 @@ solutions, on the learner's runtime stack as a task of the simulated Databricks 
 import pytest
 from variants import NOTEBOOKS, ON_RUNTIME_STACK, RUN_ONCE, check_result, check_second_run, run_once, second_runs
 
-from dtlab import course
+from dtlab.tooling import runner as course
 
 
 def test_the_course_has_notebooks():

@@ -7,6 +7,8 @@ import pytest
 
 import dtlab
 
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
 
 def test_import_dtlab_then_use_any_module():
     code = "import dtlab; print(dtlab.checkpoint.save.__name__, dtlab.parallel.zero.ShardedOptimizer.__name__)"
@@ -84,3 +86,40 @@ def test_the_wheel_holds_every_file_of_the_package(tmp_path):
     (wheel,) = tmp_path.glob("dtlab-*.whl")
     inside = set(zipfile.ZipFile(wheel).namelist())
     assert set(tracked.stdout.split()) <= inside, sorted(set(tracked.stdout.split()) - inside)
+
+
+@pytest.mark.parametrize("old", sorted(__import__("dtlab._moved", fromlist=["MOVED"]).MOVED))
+def test_a_moved_modules_old_path_works_for_a_release_and_names_the_new_one(old):
+    """Code written against last month's layout (``from dtlab import hardware``, ``import dtlab.course``) still
+    runs, warned where each module lives now; the names it gets are the new module's own objects."""
+    import importlib
+    import subprocess
+    import sys
+
+    from dtlab._moved import MOVED
+
+    new = importlib.import_module(MOVED[old])
+    public = sorted(n for n in vars(new) if not n.startswith("_") and not isinstance(vars(new)[n], type(sys)))
+    probe = (f"import warnings; warnings.simplefilter('always'); import dtlab\n"
+             f"with warnings.catch_warnings(record=True) as caught:\n"
+             f"    warnings.simplefilter('always')\n"
+             f"    import dtlab.{old} as m\n"
+             f"    import {MOVED[old]} as n\n"
+             f"    same = all(getattr(m, k) is getattr(n, k) for k in {public[:5]!r})\n"
+             f"    via_attr = getattr(dtlab, {old!r}) is m\n"
+             f"print(same, via_attr, [str(w.message) for w in caught if w.category is DeprecationWarning][:1])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("True True"), out.stdout
+    assert f"dtlab.{old} moved to {MOVED[old]}" in out.stdout
+
+
+def test_a_moved_packages_submodules_keep_their_old_paths_too():
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match="dtlab.clusters.bundle moved to dtlab.tooling.clusters.bundle"):
+        old = importlib.import_module("dtlab.clusters.bundle")
+    from dtlab.tooling.clusters import bundle
+
+    with pytest.warns(DeprecationWarning, match="moved to dtlab.tooling.clusters.bundle.bundle_problems"):
+        assert old.bundle_problems is bundle.bundle_problems

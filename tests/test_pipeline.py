@@ -17,6 +17,9 @@ from dtlab.parallel import pipeline as pp
 BATCH, WIDTH, LAYERS = 8, 12, 4
 
 
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
+
 def make_model() -> nn.Sequential:
     torch.manual_seed(0)
     layers = []
@@ -55,6 +58,7 @@ def pipeline_worker(schedule: str, micro_batches: int, average: bool = True) -> 
             "actions": [(k, m) for k, m, _, _ in result.events]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, micro_batches", [(2, 4), (4, 8), (4, 2)])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_equals_the_unsplit_model(schedule, world, micro_batches):
@@ -117,7 +121,7 @@ def test_stages_that_disagree_on_shapes_all_raise_before_any_activation_moves():
 
 
 def test_torch_pipelining_is_refused_with_the_version_where_it_would_hang(monkeypatch):
-    from dtlab import pipelining
+    from dtlab.parallel import pipelining
 
     monkeypatch.setattr(pipelining.torch, "__version__", "2.7.1+cpu")
     assert "2.8" in pipelining.problem("gloo") and "Fix" in pipelining.problem("gloo")

@@ -4,8 +4,7 @@ tests/test_published_runs.py; against runs on this machine, tests/test_planner_m
 
 import pytest
 
-from dtlab import hardware
-from dtlab.planner import cost, formulas
+from dtlab.planner import cost, formulas, hardware
 from dtlab.planner.cost import Layout, LayoutError, Setup
 
 G5X4 = hardware.cluster("g5.12xlarge x4")

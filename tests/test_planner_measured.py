@@ -6,9 +6,12 @@ Step times are compared in notebook 18 and benchmarks/, never asserted here."""
 
 import pytest
 
-from dtlab import side_by_side
 from dtlab.bandwidth import loopback_bytes
 from dtlab.launch import run
+from dtlab.parallel import side_by_side
+
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
 
 CFG = {"backend": "gloo", "device": "cpu", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab": 32, "block": 8,
        "batch": 4, "micro_batches": [1, 3], "time_steps": 2,
@@ -22,6 +25,7 @@ def measured():
     return run(side_by_side.worker, CFG, nprocs=2, env={"DS_ACCELERATOR": "cpu"}, timeout=300)[0]
 
 
+@pytest.mark.slow
 def test_the_bytes_on_the_wire_are_the_planners_traffic(measured):
     assert set(measured["results"]) >= {"DDP", "ZeRO-3 (DeepSpeed)"}
     for name, by_m in measured["results"].items():

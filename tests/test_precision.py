@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from dtlab import precision
 from dtlab.launch import run
+from dtlab.measure import max_diff
 
 
 def test_formats_come_from_torch():
@@ -64,9 +65,9 @@ def test_compression_hook_halves_the_bytes_and_matches_torch_fp16_hook():
     bf16 = run(_train, "bfloat16", nprocs=2)[0]
     builtin = run(_train, "builtin fp16", nprocs=2)[0]
     assert fp16["bytes"] * 2 == fp32["bytes"] == bf16["bytes"] * 2 > 0
-    diff = max((fp16["state"][k] - builtin["state"][k]).abs().max().item() for k in fp16["state"])
+    diff = max_diff(fp16["state"], builtin["state"])
     assert diff == pytest.approx(0, abs=1e-6), "our fp16 hook does what torch's does"
-    drift = max((bf16["state"][k] - fp32["state"][k]).abs().max().item() for k in fp32["state"])
+    drift = max_diff(bf16["state"], fp32["state"])
     assert 0 < drift < 1e-2, "bf16 rounding changes the weights a little"
 
 

@@ -21,6 +21,9 @@ from ray import cloudpickle  # noqa: E402
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import this test module
 
 
+pytestmark = pytest.mark.slow  # every test here starts a cluster, a browser, a set-up or several launches
+
+
 @pytest.fixture
 def local_ray():
     resources = raytrain.start(num_cpus=2, collective_timeout_s=10)
@@ -125,7 +128,7 @@ def test_a_killed_ray_worker_resumes_and_ends_equal_to_launch_run_and_one_proces
     from ray.train.torch import TorchTrainer
 
     from dtlab.launch import run
-    from dtlab.measure import reduction_tolerance
+    from dtlab.measure import max_diff, reduction_tolerance
 
     cfg = {"batch": 20, "epochs": 2, "every": 4, "kill_at": 14, "out": str(tmp_path)}
     result = TorchTrainer(ray_train_with_a_kill, train_loop_config=cfg,
@@ -142,7 +145,7 @@ def test_a_killed_ray_worker_resumes_and_ends_equal_to_launch_run_and_one_proces
         assert torch.equal(weights[name], launched[name]), name
     steps = cfg["epochs"] * 200 // cfg["batch"]
     bound = reduction_tolerance(cfg["batch"], steps, max(v.abs().max().item() for v in one.values()))
-    assert max((weights[k] - one[k]).abs().max().item() for k in one) <= bound
+    assert max_diff(weights, one) <= bound
     assert [m["step"] for _, m in result.best_checkpoints] == [20, 10**6]
 
 

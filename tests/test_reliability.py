@@ -21,6 +21,9 @@ from dtlab import checkpoint, data, faults, launch, models, resumable
 STEPS, EVERY, CRASH = 24, 5, 17  # 24 steps span two epochs of 16 batches: resume crosses an epoch boundary
 
 
+pytestmark = pytest.mark.slow  # every test here starts a cluster, a browser, a set-up or several launches
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """A fault-free 2-process run, the yardstick for every resumed run."""

@@ -4,6 +4,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts a cluster, a browser, a set-up or several launches
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

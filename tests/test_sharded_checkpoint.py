@@ -23,6 +23,9 @@ from dtlab.launch import WorkerError, run
 HAS_FSDP2 = hasattr(__import__("torch.distributed.fsdp", fromlist=["x"]), "fully_shard")
 needs_fsdp2 = pytest.mark.skipif(not HAS_FSDP2,
                                  reason=f"fully_shard is public from torch 2.6; this is {torch.__version__}")
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
+
 BATCH = 6  # divides by 1, 2 and 3 ranks
 
 
@@ -118,6 +121,7 @@ def load_and_continue(path, how, steps=2):
     return {"state": loaded, "loss": loss, "meta": sharded_checkpoint.read_meta(path)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [pytest.param("fsdp2", marks=needs_fsdp2), "ddp"])
 def test_saved_by_two_ranks_loads_on_one_and_three_exactly(tmp_path, how):
     saved = run(train_and_save, tmp_path, how, nprocs=2)[0]
@@ -181,6 +185,7 @@ KILLED_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})

@@ -5,6 +5,8 @@ import pytest
 
 from dtlab import spark
 
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
 
 def test_gpu_discovery_script_prints_spark_resource_json():
     script = spark.gpu_discovery_script(4)
@@ -44,6 +46,7 @@ def test_gpu_problem_reads_the_cluster_files_as_databricks_would():
     assert spark.gpu_problem_of(driver, {"gpu"}, local_mode=True) is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_fractional_or_larger_gpu_amount_is_refused_as_pyspark_35_would(monkeypatch):
     """PySpark's TorchDistributor reads spark.task.resource.gpu.amount with int(): "0.5" raises ValueError; with
@@ -80,6 +83,7 @@ def test_a_fractional_or_larger_gpu_amount_is_refused_as_pyspark_35_would(monkey
     assert spark.gpu_problem_of({"spark.task.resource.gpu.amount": "1"}, set(), local_mode=False) is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_stop_stops_only_sessions_dtlab_started():
     """On Databricks the session is the cluster's: stopping it ends the notebook's Spark (and its Py4J gateway)."""
@@ -97,6 +101,7 @@ def test_stop_stops_only_sessions_dtlab_started():
     assert spark.stop(ours) is True
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_barrier_stage_larger_than_the_task_slots_is_refused_with_the_fix():
     """Spark refuses it only after retrying its slot check for 10 minutes (BarrierJobSlotsNumberCheckFailed, 40

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dtlab import speedup
+from dtlab.planner import speedup
 
 
 def test_ring_allreduce_time():

@@ -16,6 +16,9 @@ from torch import nn
 from dtlab import models
 from dtlab.launch import WorkerError, run
 
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
+
 TOL = 1e-6
 
 
@@ -114,6 +117,7 @@ def split_bad(what: str):
         tpmod.VocabParallelEmbedding(nn.Embedding(7, 4), tp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what, words", [("hidden", "5 output features"), ("heads", "3 attention heads"),
                                          ("vocab", "vocabulary of 7")])
 def test_a_size_the_degree_does_not_divide_is_refused_with_the_fix(what, words):

@@ -13,6 +13,8 @@ import torch  # noqa: E402
 
 from dtlab import distributed, launch, models, tracking  # noqa: E402
 
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
 
 def _log_from_every_rank(uri, every_rank):
     distributed.setup()
@@ -23,6 +25,7 @@ def _log_from_every_rank(uri, every_rank):
         return run.active
 
 
+@pytest.mark.slow
 def test_only_rank_0_logs_unless_told_otherwise(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert launch.run(_log_from_every_rank, uri, False, nprocs=2) == [True, False]
@@ -33,6 +36,7 @@ def test_only_rank_0_logs_unless_told_otherwise(tmp_path):
     assert set(table["metrics.loss"]) == {1.0 / 3}
 
 
+@pytest.mark.slow
 def test_params_metrics_figures_and_the_model_round_trip(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default store is ./mlflow.db
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # MLflow 3's set_tracking_uri also sets it
@@ -53,6 +57,7 @@ def test_params_metrics_figures_and_the_model_round_trip(tmp_path, monkeypatch):
     assert type(loaded) is models.MLP and torch.equal(loaded(x), model(x))
 
 
+@pytest.mark.slow
 def test_a_run_that_raises_is_marked_failed(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(ZeroDivisionError):
@@ -109,6 +114,7 @@ def test_a_relative_sqlite_uri_is_relative_to_the_working_directory(tmp_path, mo
     assert not Path("/mlflow.db").exists() and not Path("/mlartifacts").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_local_server_listens_on_localhost_stores_runs_and_leaves_no_process_behind(tmp_path):
     import psutil

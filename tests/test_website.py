@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from dtlab import course, website
+from dtlab.tooling import runner as course
+from dtlab.tooling import website
+
+pytestmark = pytest.mark.slow  # every test here starts a cluster, a browser, a set-up or several launches
+
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,9 +82,9 @@ def test_the_build_writes_nothing_beside_the_site(site):
 
 def test_the_api_reference_has_every_public_module(site):
     page = (site / "api.html").read_text()
-    for module in ("dtlab.launch", "dtlab.parallel.fsdp", "dtlab.website", "dtlab.advise"):
+    for module in ("dtlab.launch", "dtlab.parallel.fsdp", "dtlab.tooling.website", "dtlab.advise"):
         assert module in page
-    assert "dtlab.website.build" in page and "Build the website of" in page
+    assert "dtlab.tooling.website.build" in page and "Build the website of" in page
 
 
 def test_the_check_catches_each_fault(site, tmp_path):
@@ -117,7 +121,7 @@ def test_no_run_and_no_way_to_run_the_course_says_so(tmp_path):
     has = subprocess.run([base, "-c", "import papermill"], capture_output=True).returncode == 0
     if has:
         pytest.skip(f"{base} has papermill: no Python without it here")
-    done = subprocess.run([base, "-c", "import sys; from dtlab.cli import main; sys.exit(main(sys.argv[1:]))",
+    done = subprocess.run([base, "-c", "import sys; from dtlab.tooling.cli import main; sys.exit(main(sys.argv[1:]))",
                            "site", "--runs", str(tmp_path)], capture_output=True, text=True,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, cwd=tmp_path, timeout=120)
     assert done.returncode == 2, done.stderr

@@ -9,7 +9,16 @@ match it bit for bit.
 
 import pytest
 import torch
-from test_data_parallel import LOCAL_BATCH, STEPS, loss_of, make_batches, make_model, max_diff
+from strategy import (
+    LOCAL_BATCH,
+    STEPS,
+    loss_of,
+    make_batches,
+    make_model,
+    max_diff,
+    per_rank_reference,
+    train_rank_share,
+)
 
 from dtlab.launch import run
 
@@ -17,24 +26,8 @@ ADAMW = dict(lr=1e-2, weight_decay=0.1)
 
 
 def reference(kind, world, split_groups=False):
-    """One process, with each step's gradient computed as DDP's ranks compute it: sum of g_r / world."""
-    model = make_model(kind)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(_groups(model, split_groups), **ADAMW)
-    xs, ys = make_batches(kind, LOCAL_BATCH * world)
-    for step in range(STEPS):
-        per_rank = []
-        for rank in range(world):
-            opt.zero_grad()
-            rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-            loss_of(model, kind, xs[step][rows], ys[step][rows]).backward()
-            per_rank.append([p.grad.clone() for p in params])
-        for i, p in enumerate(params):
-            p.grad = per_rank[0][i] / world
-            for grads in per_rank[1:]:
-                p.grad = p.grad + grads[i] / world
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """One process, each step's gradient summed as DDP's ranks sum it (``strategy.per_rank_reference``)."""
+    return per_rank_reference(kind, world, lambda model: torch.optim.AdamW(_groups(model, split_groups), **ADAMW))
 
 
 def _groups(model, split):
@@ -64,12 +57,7 @@ def train_sharded(kind, which="ours", split_groups=False, add_later=False):
         opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **ADAMW)
     else:
         opt = torch.optim.AdamW(groups, **ADAMW)
-    xs, ys = make_batches(kind, LOCAL_BATCH * world)
-    rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss_of(ddp, kind, xs[step][rows], ys[step][rows]).backward()
-        opt.step()
+    train_rank_share(ddp, opt, kind, rank, world)
     if which == "ours":
         state_bytes = opt.state_bytes()
     elif which == "torch":
@@ -81,6 +69,7 @@ def train_sharded(kind, which="ours", split_groups=False, add_later=False):
     return {"state": state, "state_bytes": state_bytes}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mlp", "tied"])
 def test_sharded_adamw_equals_unsharded_adamw(kind):
     ref = reference(kind, 2)

@@ -15,7 +15,7 @@ their time budgets on 2 cores.
 
 from pathlib import Path
 
-from dtlab import course
+from dtlab.tooling import runner as course
 
 NOTEBOOKS = course.find_notebooks(Path(__file__).resolve().parent.parent / "notebooks")
 ON_RUNTIME_STACK = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14", "15",

@@ -13,5 +13,6 @@ Read it in this order:
     dtlab.planner.published  published training runs (OPT, BLOOM, Megatron, Llama 3, ...), each with its source,
                              and what the cost model predicts for them
 
-Hardware facts (GPUs, instance types, links) come from ``dtlab.hardware``.
+    dtlab.planner.hardware   GPUs, instance types and clusters: memory, FLOP/s, links (one home for these facts)
+    dtlab.planner.speedup    the speed-up model of notebook 08 (compute against the all-reduce) and its measurement
 """

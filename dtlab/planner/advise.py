@@ -28,9 +28,8 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtlab import hardware
 from dtlab.planner import cost as costs
-from dtlab.planner import formulas
+from dtlab.planner import formulas, hardware
 from dtlab.planner.cost import PRECISIONS, Layout, LayoutError, Setup
 from dtlab.planner.formulas import ModelShape
 
@@ -146,7 +145,7 @@ def resolve_model(params: float | None = None, n_layer: int | None = None, n_emb
 
 def resolve_cluster(cluster: str | hardware.Cluster | None = None, gpus: int | None = None,
                     gpu_mem_gb: float | None = None, gpu: str | None = None, **hand: Any) -> hardware.Cluster:
-    """A named cluster (``dtlab.hardware.cluster``); ``gpus`` of a known ``gpu`` type; or one described by
+    """A named cluster (``dtlab.planner.hardware.cluster``); ``gpus`` of a known ``gpu`` type; or one described by
     hand (``hardware.custom_cluster``: ``gpus``, ``gpu_mem_gb`` and optionally its speeds)."""
     if cluster is not None:
         return hardware.cluster(cluster)
@@ -244,7 +243,7 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
     Args:
         params: parameters (or give ``n_layer``, ``n_embd``, ``n_head`` and optionally ``n_kv_head``, ``vocab``;
             or a ``formulas.ModelShape`` as ``shape``).
-        cluster: a name from ``dtlab.hardware`` ("g5.12xlarge", "g5.12xlarge x4", "p4d.24xlarge x8"...);
+        cluster: a name from ``dtlab.planner.hardware`` ("g5.12xlarge", "g5.12xlarge x4", "p4d.24xlarge x8"...);
             or ``gpus`` of a known ``gpu`` type ("A100"); or describe one: ``gpus``, ``gpu_mem_gb``, and for
             step times ``tflops`` (peak dense 16-bit), ``intra_node_gbs`` (GPU to GPU inside a node) and
             ``inter_node_gbs`` (a node's network, all its NICs together) in GB/s (``gpus_per_node`` defaults
@@ -265,7 +264,7 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
         ValueError: for sizes that are not positive, a hidden size not divisible by the heads, an unknown
             precision/optimizer/recompute mode, a micro-batch larger than the global batch, a given layout
             whose degrees do not multiply to the GPU count, or bf16 on a GPU without it.
-            ``dtlab.hardware.UnknownHardware`` for a cluster it does not know.
+            ``dtlab.planner.hardware.UnknownHardware`` for a cluster it does not know.
     """
     num_params, shape = resolve_model(params, n_layer, n_embd, n_head, vocab, n_kv_head, shape)
     if precision not in PRECISIONS:

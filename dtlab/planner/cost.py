@@ -47,8 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dtlab import hardware
-from dtlab.planner import formulas
+from dtlab.planner import formulas, hardware
 from dtlab.planner.formulas import ModelShape, ring_factor
 
 #: Fraction of the GPU's peak FLOP/s the step's kernels reach while computing (not waiting), by GPU: for each,

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from dtlab import hardware
+from dtlab.planner import hardware
 
 #: Units: GB = 10**9 bytes (what the tables print); GiB = 2**30 bytes (what DeepSpeed prints as "GB").
 GB, GiB = hardware.GB, hardware.GiB
@@ -67,7 +67,7 @@ def ring_factor(n: int, collective: str = "all_reduce") -> float:
 
     ``2(n-1)/n`` for all-reduce; ``(n-1)/n`` for all-gather (of the output), reduce-scatter (of the
     input) and all-to-all; 1 for broadcast. These are nccl-tests' bus-bandwidth factors: the one
-    place the course writes them (``dtlab.bandwidth``, ``dtlab.speedup`` and the cost model read
+    place the course writes them (``dtlab.bandwidth``, ``dtlab.planner.speedup`` and the cost model read
     them here).
 
     Raises:

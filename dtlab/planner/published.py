@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtlab import hardware
-from dtlab.planner import advise, cost
+from dtlab.planner import advise, cost, hardware
 from dtlab.planner.formulas import ModelShape
 
 PATH = Path(__file__).with_name("published_runs.json")

@@ -289,7 +289,7 @@ def load_tasks(bundle: Path = ROOT / "databricks.yml") -> list[Task]:
 def single_node_spark_conf() -> dict[str, str]:
     """The Spark configuration of the single-node cluster file, as the cluster would have it: ``local[*, 4]``
     there means one task slot per vCPU of the node (48 on a g5.12xlarge), not per core of this machine."""
-    from dtlab import hardware
+    from dtlab.planner import hardware
 
     spec = yaml.safe_load((ROOT / "clusters" / "g5-12xlarge-single-node.yml").read_text())
     conf = {k: str(v) for k, v in spec["spark_conf"].items()}
@@ -444,13 +444,13 @@ class Job:
         }
 
     def run(self, task: Task, widgets: dict[str, str] | None = None, timeout: int = 900, solutions: bool = False):
-        """Execute ``task``'s notebook as the job would; returns ``dtlab.course.Result``.
+        """Execute ``task``'s notebook as the job would; returns ``dtlab.tooling.runner.Result``.
 
         ``widgets`` (strings) are added to the task's ``base_parameters`` (the tests pass each
         notebook's other parameters this way, as "Run now with different parameters" would);
         ``solutions=True`` keeps the exercise solutions' cells.
         """
-        from dtlab import course
+        from dtlab.tooling import runner as course
 
         values = {**task.widgets, **(widgets or {})}
         out = self.folder / "runs"

@@ -69,7 +69,7 @@ def _workspace_get(job, path: str, token: str | None = None) -> tuple[int, dict]
 
 def _other_widgets(task: Task) -> dict[str, str]:
     """The notebook's other parameters over its CI ones, as strings (widgets)."""
-    from dtlab import course
+    from dtlab.tooling import runner as course
 
     merged = {**course.ci_parameters(task.notebook), **course.alt_parameters(task.notebook)}
     return {k: str(v) for k, v in merged.items()}
@@ -97,7 +97,7 @@ def test_each_lesson_runs_as_a_databricks_job_task(job, task):
 
 def test_the_job_summary_lists_every_lesson(job, tmp_path):
     """The job's last task (run_if ALL_DONE) reports each lesson; here from the results above."""
-    from dtlab import jobs
+    from dtlab.tooling import jobs
 
     if len(RESULTS) < len(TASKS):
         pytest.skip("runs after the lessons (run the whole file)")
@@ -163,7 +163,7 @@ def test_no_profiler_beside_the_interpreter_and_dtlab_says_where_it_looked(job):
 
 def test_notebooks_cannot_be_read_as_files_and_the_validator_says_so_instead_of_failing(job):
     """Break 5: notebook 11 validated databricks.yml by reading notebooks/*.ipynb."""
-    from dtlab import clusters
+    from dtlab.tooling import clusters
 
     nb = next((job.workspace / "notebooks").iterdir())
     with pytest.raises(OSError):

@@ -14,7 +14,7 @@ import warnings
 
 from dtlab._moved import forward
 
-__getattr__ = forward("dtlab.composition", "dtlab.planner.cost",
+__getattr__ = forward("dtlab.parallel.mesh", "dtlab.planner.cost",
                       gone={"memory_per_gpu": "it is dtlab.planner.cost.memory(num_params, shape, layout, setup)"})
 
 
@@ -24,9 +24,9 @@ def cost(num_params, layout, cluster, global_batch=512, micro_batch=1, seq_len=2
     a ``Setup`` (``mfu`` is now ``efficiency``: the fraction of peak while computing)."""
     from dtlab.planner import cost
 
-    warnings.warn("dtlab.composition.cost moved to dtlab.planner.cost.cost(num_params, layout, cluster, "
+    warnings.warn("dtlab.parallel.mesh.cost moved to dtlab.planner.cost.cost(num_params, layout, cluster, "
                   "cost.Setup(global_batch, micro_batch, seq_len, recompute, precision, efficiency), shape); "
-                  "dtlab.composition will be removed in the next release", DeprecationWarning, stacklevel=2)
+                  "dtlab.parallel.mesh will be removed in the next release", DeprecationWarning, stacklevel=2)
     setup = cost.Setup(global_batch, micro_batch, seq_len, recompute, precision, mfu)
     return cost.cost(num_params, layout, cluster, setup, shape)
 

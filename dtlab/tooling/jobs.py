@@ -7,7 +7,7 @@ this summary (and fails, so the run is marked failed, when a lesson failed). It 
 ``workspace_client``: the task's ``DATABRICKS_HOST``/``DATABRICKS_TOKEN``, else the notebook context's, else
 the runtime's credentials; when none works it says which fix to make.
 
-    from dtlab import jobs
+    from dtlab.tooling import jobs
     print(jobs.summary([{"task_key": "nb00_environment", "result_state": "SUCCESS"}, ...]))
 """
 

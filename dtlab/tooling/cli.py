@@ -77,7 +77,7 @@ def _advise(args: argparse.Namespace) -> int:
                                efficiency=args.efficiency, headroom=args.headroom,
                                layout=_parse_layout(args.layout) if args.layout else None,
                                layouts=not args.data_parallel_only)
-    except ValueError as exc:  # also dtlab.hardware.UnknownHardware
+    except ValueError as exc:  # also dtlab.planner.hardware.UnknownHardware
         print(f"dtlab advise: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.table())
@@ -85,8 +85,7 @@ def _advise(args: argparse.Namespace) -> int:
 
 
 def _advise_parser(sub) -> argparse.ArgumentParser:
-    from dtlab import hardware
-    from dtlab.planner import cost, formulas
+    from dtlab.planner import cost, formulas, hardware
 
     shapes = ", ".join(f"{s.name} = {s.n_layer}/{s.n_embd}/{s.n_head}" for s in formulas.KNOWN_SHAPES.values())
     adv = sub.add_parser(
@@ -106,8 +105,9 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
     adv.add_argument("--vocab", type=_number(int, 1, example="32000"), default=None,
                      help="vocabulary size (adds the embedding to the parameters derived from the shape)")
     adv.add_argument("--cluster", default=None,
-                     help=f"a cluster from dtlab.hardware: {', '.join(hardware.CLUSTERS)}, or '<node type> xN' with "
-                          f"a node type from {', '.join(hardware.NODE_TYPES)} (default: {hardware.DEFAULT_CLUSTER}, "
+                     help=f"a cluster from dtlab.planner.hardware: {', '.join(hardware.CLUSTERS)}, "
+                          f"or '<node type> xN' with a node type from {', '.join(hardware.NODE_TYPES)} "
+                          f"(default: {hardware.DEFAULT_CLUSTER}, "
                           "unless --gpus with --gpu or --gpu-mem-gb describe one)")
     adv.add_argument("--gpus", type=_number(int, 1, example="64"), default=None, help="GPUs of a cluster described "
                      "by hand (with --gpu or --gpu-mem-gb)")
@@ -149,7 +149,8 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
 def _site(args: argparse.Namespace) -> int:
     import time
 
-    from dtlab import course, website
+    from dtlab.tooling import runner as course
+    from dtlab.tooling import website
 
     try:
         run_dir = args.run or website.newest_run(args.runs)
@@ -181,7 +182,7 @@ def _site(args: argparse.Namespace) -> int:
 
 
 def _course_list(args: argparse.Namespace) -> int:
-    from dtlab import course
+    from dtlab.tooling import runner as course
 
     for nb in course.find_notebooks(args.notebooks):
         params = course.notebook_parameters(nb)
@@ -190,7 +191,7 @@ def _course_list(args: argparse.Namespace) -> int:
 
 
 def _course_run(args: argparse.Namespace) -> int:
-    from dtlab import course
+    from dtlab.tooling import runner as course
 
     try:
         params = course.parse_params(args.param)
@@ -206,7 +207,7 @@ def _course_run(args: argparse.Namespace) -> int:
 
 
 def _clusters_validate(args: argparse.Namespace) -> int:
-    from dtlab import clusters
+    from dtlab.tooling import clusters
 
     paths = args.paths or [os.path.relpath(p) for p in clusters.default_paths()]
     missing = [p for p in paths if not os.path.isfile(p)]

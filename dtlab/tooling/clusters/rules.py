@@ -1,7 +1,7 @@
 """The second layer: rules the strict models cannot express, about GPUs and one process per GPU.
 
 * a GPU node type needs a GPU ML runtime (``...-gpu-ml-...``), and a GPU runtime a GPU node type;
-  node types come from ``dtlab.hardware.NODE_TYPES`` (a GPU family missing there is refused);
+  node types come from ``dtlab.planner.hardware.NODE_TYPES`` (a GPU family missing there is refused);
 * the single-node profile (``spark.databricks.cluster.profile: singleNode``) goes with
   ``num_workers: 0``, ``spark.master: local[...]`` and the tag ``ResourceClass: SingleNode``;
   ``num_workers: 0`` without the profile is a driver with no workers;
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import re
 
-from dtlab import hardware
-from dtlab.clusters.problems import join, suggest
-from dtlab.hardware import NodeType
+from dtlab.planner import hardware
+from dtlab.planner.hardware import NodeType
+from dtlab.tooling.clusters.problems import join, suggest
 
-#: GPU node types the course knows: ``dtlab.hardware.NODE_TYPES`` (add a row there to use another one).
+#: GPU node types the course knows: ``dtlab.planner.hardware.NODE_TYPES`` (add a row there to use another one).
 GPU_NODE_TYPES: dict[str, NodeType] = hardware.NODE_TYPES
 
 
@@ -34,7 +34,7 @@ def node_type(spec: dict) -> NodeType | None:
         spec: a cluster spec (the loaded YAML of a cluster file, or a job cluster's ``new_cluster``).
 
     Returns:
-        The node type from ``dtlab.hardware``, or None for a CPU or unknown type.
+        The node type from ``dtlab.planner.hardware``, or None for a CPU or unknown type.
     """
     return GPU_NODE_TYPES.get(str(spec.get("node_type_id", "")))
 
@@ -73,7 +73,8 @@ def cluster_problems(spec: dict, where: str = "", all_purpose: bool = True) -> l
     unresolved = "${" in node_id + runtime  # an interpolation only the deployed bundle knows: no guessing
     if not unresolved and gpu is None and hardware.has_gpus(node_id):
         problems.append(f"{at('node_type_id')}: {node_id!r} is a GPU instance type dtlab does not know. "
-                        f"Fix: {suggest(node_id, list(GPU_NODE_TYPES))} (or add it to dtlab.hardware.NODE_TYPES)")
+                        f"Fix: {suggest(node_id, list(GPU_NODE_TYPES))} "
+                        "(or add it to dtlab.planner.hardware.NODE_TYPES)")
     if gpu and not unresolved and "-gpu-ml-" not in runtime:
         problems.append(f"{at('spark_version')}: {runtime!r} has no CUDA libraries, but {node_id} is a GPU node. "
                         "Fix: a GPU ML runtime, e.g. spark_version: 15.4.x-gpu-ml-scala2.12")

@@ -14,7 +14,7 @@ import re
 import typing
 from typing import Any
 
-from dtlab.clusters.problems import ClusterConfigError, join, suggest
+from dtlab.tooling.clusters.problems import ClusterConfigError, join, suggest
 
 #: The databricks-bundles release the course validates with (as pinned in requirements.txt).
 BUNDLES_PIN = "1.22.1"

@@ -11,7 +11,7 @@ package checks the course's files offline, in two layers, one concern per file:
   with ``num_workers: 0``, ``spark.master: local[...]`` and ``ResourceClass: SingleNode``;
   multi-node GPU clusters set ``spark.task.resource.gpu.amount: "1"`` and a fixed size; the tag
   ``custom_tags.dtlab_processes`` equals the GPUs the cluster offers; spot clusters keep an
-  on-demand driver; all-purpose clusters stop themselves. Node facts come from ``dtlab.hardware``.
+  on-demand driver; all-purpose clusters stop themselves. Node facts come from ``dtlab.planner.hardware``.
 * ``bundle.py`` — the bundle ``databricks.yml``: declared variables, tasks, job clusters,
   notebooks and their parameters (a notebook's ``nprocs`` may not exceed its node's GPUs); and no
   literal credentials in any file (only ``{{secrets/scope/key}}``).
@@ -19,19 +19,19 @@ package checks the course's files offline, in two layers, one concern per file:
 * ``offer.py`` — ``offers``: what a cluster file gives a job (nodes, GPUs, memory, bandwidths).
 * ``problems.py`` — how a problem is worded, and ``ClusterConfigError``.
 
-    from dtlab import clusters
+    from dtlab.tooling import clusters
     clusters.validate("clusters/g5-12xlarge-4-nodes.yml")    # [] when valid, else the problems
     clusters.offers("clusters/g5-12xlarge-4-nodes.yml")      # nodes, GPUs, memory, network
 
 From the shell: ``dtlab clusters validate [PATH ...]`` (default: ``clusters/*.yml`` and ``databricks.yml``).
 """
 
-from dtlab.clusters.bundle import bundle_notes
-from dtlab.clusters.files import check, default_paths, find_root, load, validate
-from dtlab.clusters.offer import Offer, offers
-from dtlab.clusters.problems import ClusterConfigError
-from dtlab.clusters.rules import GPU_NODE_TYPES, NodeType, cluster_problems, is_single_node, node_type
-from dtlab.clusters.schema import BUNDLES_PIN, schema_problems
+from dtlab.tooling.clusters.bundle import bundle_notes
+from dtlab.tooling.clusters.files import check, default_paths, find_root, load, validate
+from dtlab.tooling.clusters.offer import Offer, offers
+from dtlab.tooling.clusters.problems import ClusterConfigError
+from dtlab.tooling.clusters.rules import GPU_NODE_TYPES, NodeType, cluster_problems, is_single_node, node_type
+from dtlab.tooling.clusters.schema import BUNDLES_PIN, schema_problems
 
 __all__ = ["BUNDLES_PIN", "GPU_NODE_TYPES", "ClusterConfigError", "NodeType", "Offer", "bundle_notes", "check",
            "cluster_problems",

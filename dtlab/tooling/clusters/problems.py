@@ -1,6 +1,6 @@
 """How the cluster validator words a problem: ``key.path: what is wrong. Fix: what to write``.
 
-Every check in ``dtlab.clusters`` reports problems as such strings (``validate`` prefixes the file),
+Every check in ``dtlab.tooling.clusters`` reports problems as such strings (``validate`` prefixes the file),
 builds key paths with ``join`` and proposes a close valid name with ``suggest``.
 """
 

@@ -1,9 +1,9 @@
 """Facts about hardware, in one place: GPUs, AWS GPU instances, and the clusters the course describes.
 
-The planner (``dtlab.planner``), the cluster validator (``dtlab.clusters``), the command line and
+The planner (``dtlab.planner``), the cluster validator (``dtlab.tooling.clusters``), the command line and
 the notebooks read their numbers from here, so a figure is corrected once::
 
-    from dtlab import hardware
+    from dtlab.planner import hardware
     hardware.gpu("A10G")                  # GPU: 24.15 GB (nvidia-smi's 23,028 MiB), bf16, 70 TFLOP/s bf16
     hardware.node("g5.12xlarge")          # NodeType: 4 x A10G, 48 vCPUs, 192 GiB, 40 Gbps, PCIe
     hardware.cluster("g5.12xlarge x4")    # Cluster: 4 nodes = 16 GPUs (clusters/g5-12xlarge-4-nodes.yml)
@@ -270,7 +270,7 @@ def _lookup(kind: str, name: str, table: dict, known: str = "", suffix: str = ""
     close = difflib.get_close_matches(str(name).strip().lower(), list(by_lower), n=1, cutoff=0.6)
     hint = f"did you mean {next(k for k in table if k.lower() == close[0]) + suffix!r}? " if close else ""
     raise UnknownHardware(f"unknown {kind} {str(name) + suffix!r}. Fix: {hint}known: {known or ', '.join(table)} "
-                          "(or add it to dtlab.hardware)")
+                          "(or add it to dtlab.planner.hardware)")
 
 
 def gpu(name: str | GPU) -> GPU:

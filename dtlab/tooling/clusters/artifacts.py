@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dtlab.clusters.problems import suggest
+from dtlab.tooling.clusters.problems import suggest
 
 #: The fields of a bundle's artifact (the Databricks CLI's ``config.Artifact``).
 ARTIFACT_KEYS = ["type", "build", "path", "files", "executable", "dynamic_version"]

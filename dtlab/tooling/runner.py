@@ -52,7 +52,7 @@ class Result:
 def default_notebook_dir() -> Path:
     """``./notebooks`` when run from the repo root, else the folder next to the installed package."""
     here = Path.cwd() / "notebooks"
-    return here if here.is_dir() else Path(__file__).resolve().parent.parent / "notebooks"
+    return here if here.is_dir() else Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def find_notebooks(directory: str | os.PathLike | None = None) -> list[Path]:

@@ -6,7 +6,7 @@ Torch 2.4 made DTensor public: ``torch.distributed.tensor`` has ``DTensor``, ``S
 ``torch.distributed._tensor`` (``Partial`` is ``_Partial`` there). Import them from here and a
 lesson runs on both::
 
-    from dtlab.dtensor import DTensor, Shard, Replicate, Partial, distribute_tensor, CommDebugMode
+    from dtlab.parallel.dtensor import DTensor, Shard, Replicate, Partial, distribute_tensor, CommDebugMode
 
 ``parallelize_module``, ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel`` and
 ``PrepareModuleInput`` are in ``torch.distributed.tensor.parallel`` in both (on 2.3 give

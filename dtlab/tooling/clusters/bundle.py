@@ -23,11 +23,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dtlab import course
-from dtlab.clusters.artifacts import artifact_outputs, library_problems
-from dtlab.clusters.problems import join, suggest
-from dtlab.clusters.rules import cluster_problems, node_type
-from dtlab.clusters.schema import model_problems, strict_models
+from dtlab.tooling import runner as course
+from dtlab.tooling.clusters.artifacts import artifact_outputs, library_problems
+from dtlab.tooling.clusters.problems import join, suggest
+from dtlab.tooling.clusters.rules import cluster_problems, node_type
+from dtlab.tooling.clusters.schema import model_problems, strict_models
 
 #: Said once per bundle when some notebook exists but cannot be read as a file.
 UNREADABLE_NOTEBOOKS = ("notebooks are not readable as files on this runtime (Databricks Runtime 16.2+ makes them "

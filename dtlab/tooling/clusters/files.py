@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dtlab.clusters.bundle import bundle_problems, secret_problems
-from dtlab.clusters.problems import ClusterConfigError
-from dtlab.clusters.rules import cluster_problems
-from dtlab.clusters.schema import model_problems, strict_models
+from dtlab.tooling.clusters.bundle import bundle_problems, secret_problems
+from dtlab.tooling.clusters.problems import ClusterConfigError
+from dtlab.tooling.clusters.rules import cluster_problems
+from dtlab.tooling.clusters.schema import model_problems, strict_models
 
 
 def load(path: str | Path) -> Any:
@@ -99,7 +99,7 @@ def find_root(start: str | Path | None = None) -> Path:
     for folder in [here, *here.parents]:
         if (folder / "clusters").is_dir() and (folder / "dtlab").is_dir():
             return folder
-    return Path(__file__).resolve().parents[2]
+    return Path(__file__).resolve().parents[3]
 
 
 def default_paths(root: str | Path | None = None) -> list[Path]:

@@ -1,6 +1,6 @@
 """What a cluster definition gives a training job: nodes, GPUs, memory, bandwidths (``offers``).
 
-The node's facts come from ``dtlab.hardware``; the file says how many nodes train and how.
+The node's facts come from ``dtlab.planner.hardware``; the file says how many nodes train and how.
 """
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtlab import hardware
-from dtlab.clusters.files import load
-from dtlab.clusters.problems import ClusterConfigError
-from dtlab.clusters.rules import GPU_NODE_TYPES, is_single_node, node_type
+from dtlab.planner import hardware
+from dtlab.tooling.clusters.files import load
+from dtlab.tooling.clusters.problems import ClusterConfigError
+from dtlab.tooling.clusters.rules import GPU_NODE_TYPES, is_single_node, node_type
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Offer:
     gpu_memory_gb: float  # per GPU, as the datasheet labels it
     cpu_memory_gib: float  # per node, as AWS lists it
     network_gbps: float   # between nodes, per node
-    intra_node_gbs: float  # between GPUs of one node (GB/s, planning figure; see dtlab.hardware.NodeType)
+    intra_node_gbs: float  # between GPUs of one node (GB/s, planning figure; see dtlab.planner.hardware.NodeType)
     local_mode: bool      # TorchDistributor's local_mode for this cluster
     processes: int        # training processes: one per GPU
     gpu_memory_bytes: int = 0  # per GPU, as nvidia-smi reports it
@@ -52,7 +52,7 @@ class Offer:
 
     @property
     def cluster(self) -> hardware.Cluster:
-        """The training nodes as a ``dtlab.hardware.Cluster`` (``dtlab.planner.advise.advise``'s ``cluster=``)."""
+        """The training nodes as a ``dtlab.planner.hardware.Cluster`` (the planner's ``advise(cluster=)``)."""
         return hardware.Cluster(self.name or self.node_type, hardware.node(self.node_type), self.nodes)
 
 

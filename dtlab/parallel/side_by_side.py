@@ -56,9 +56,10 @@ def worker(cfg: dict) -> dict[str, Any]:
     from deepspeed.utils import logger
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from dtlab import data, ds_config, fsdp2
+    from dtlab import data, ds_config
     from dtlab.bandwidth import collective_calls, collective_costs, loopback_during
     from dtlab.distributed import local_device
+    from dtlab.parallel import fsdp2
     from dtlab.parallel.fsdp import ScratchFSDP
     from dtlab.parallel.zero import held_elements
 
