@@ -5,6 +5,7 @@ Its folders are its map. At the top, what a learner imports, one module per conc
     dtlab.environment  what the machine has; backend/device/process count (nccl+GPUs or gloo+CPU)
     dtlab.distributed  rank/world helpers, set-up and teardown, rank-0-only work, seeding
     dtlab.launch       run a function (even one defined in a notebook) on N processes
+    dtlab.processes    stopping what was started: wait until processes are gone, then force the rest
     dtlab.models       MLP, SmallResNet, TinyGPT, count_parameters
     dtlab.data         deterministic synthetic data, scikit-learn digits, DistributedLoader
     dtlab.checkpoint   atomic save, safe load, exact training state, periodic Checkpointer

@@ -52,6 +52,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from dtlab import _compat
+from dtlab.processes import stop_workers
 
 #: Seconds a launch may run before every worker is killed. Pass ``timeout=`` to change it.
 DEFAULT_LAUNCH_TIMEOUT = 600.0
@@ -184,19 +185,6 @@ def _finish_process_group() -> None:
             dist.destroy_process_group()
 
 
-def _stop(procs: list) -> None:
-    procs = [p for p in procs if p.pid is not None]  # only those that started
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 5
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
 def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: str | None = None,
         timeout: float = DEFAULT_LAUNCH_TIMEOUT, threads_per_process: int | None = None,
         env: dict[str, str] | None = None, prefix_output: bool = True, **kwargs: Any) -> list[Any]:
@@ -302,7 +290,7 @@ def run(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, backend: 
             print(f"[dtlab.launch] ranks {stuck} returned their results but did not exit within 10 s "
                   "(a process-group teardown that hung); they were stopped.", file=sys.stderr, flush=True)
     finally:
-        _stop(procs)
+        stop_workers(procs)
         _drain(q, prefix_output)
         q.close()
         _compat.remove_deepspeed_shm("127.0.0.1", port, range(nprocs))  # DeepSpeed leaves them behind

@@ -29,9 +29,10 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from dtlab.processes import wait_until_gone
 
 #: The Ray version the lesson is written and tested against (Train V2).
 NEEDS_RAY = "2.60"
@@ -200,9 +201,4 @@ def ray_processes() -> list[str]:
 
 def wait_until_stopped(timeout: float = 20.0) -> list[str]:
     """Wait up to ``timeout`` s for Ray's daemons to exit; return those still running (empty: all gone)."""
-    deadline = time.monotonic() + timeout
-    left = ray_processes()
-    while left and time.monotonic() < deadline:
-        time.sleep(0.2)
-        left = ray_processes()
-    return left
+    return wait_until_gone(ray_processes, timeout)

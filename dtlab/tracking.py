@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from dtlab.processes import stop_group
+
 
 class TrackingError(RuntimeError):
     """The tracking store cannot be used; the message names the cause and the fix."""
@@ -347,38 +349,8 @@ def local_server(directory: str | os.PathLike = ".", port: int | None = None, ti
                 time.sleep(0.5)
         yield uri
     finally:
-        _stop_group(server)
+        stop_group(server)
         log.close()
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM a process and everything in its process group; SIGKILL what is left after 10 s."""
-    import signal
-
-    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        if not _group_alive(proc.pid):
-            break
-        deadline = time.monotonic() + wait_s  # the CLI exited; its workers may take a moment longer
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if not _group_alive(proc.pid):
-            break
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def port_is_open(port: int, host: str = "127.0.0.1") -> bool:

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtlab.processes import wait_until_gone
+
 
 class CourseError(ValueError):
     """Bad input to the course runner (unknown notebook, malformed parameter); exit code 2."""
@@ -172,11 +174,7 @@ def stop_leftovers(run_id: str, grace: float = 5.0) -> list[str]:
                 continue
         return out
 
-    deadline = time.monotonic() + grace
-    found = running()
-    while found and time.monotonic() < deadline:
-        time.sleep(0.2)
-        found = running()
+    found = wait_until_gone(running, grace)
     lines = []
     for proc in found:
         try:

@@ -410,10 +410,10 @@ class Job:
 
     def close(self) -> None:
         """Stop the workspace's server and every process it started."""
-        from dtlab.tracking import _stop_group
+        from dtlab.processes import stop_group
 
         if getattr(self, "_server", None) is not None:
-            _stop_group(self._server)
+            stop_group(self._server)
             self._server = None
             self._server_log.close()
 
