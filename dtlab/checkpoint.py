@@ -278,7 +278,7 @@ def _all_ranks_rng() -> dict[str, Any]:
     """``{"rng_per_rank": [...]}`` in a process group of several ranks (a collective), else ``{}``."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not distributed.initialized() or dist.get_world_size() == 1:
         return {}
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, rng_state())
@@ -340,7 +340,7 @@ class Checkpointer:
         due = bool(self.every_steps and step % self.every_steps == 0)
         if self.every_seconds and not due:
             due = time.monotonic() - self._last_save >= self.every_seconds
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if distributed.initialized() and dist.get_world_size() > 1:
                 due = bool(distributed.broadcast_object(due))  # rank 0's clock decides for everyone
         return due
 
@@ -382,7 +382,7 @@ class Checkpointer:
         so all ranks resume from the same step even when their folders differ (node-local disks)
         or one read fails. A rank that cannot read rank 0's choice makes every rank raise.
         """
-        if distributed.world_size() == 1 or not _initialized():
+        if distributed.world_size() == 1 or not distributed.initialized():
             return self._newest_readable(map_location)[0]
         state, choice = None, None
         if distributed.is_main():
@@ -426,9 +426,3 @@ class Checkpointer:
         if errors:
             raise CheckpointError(f"no readable checkpoint in {self.directory}: {' | '.join(errors)}")
         return None, None
-
-
-def _initialized() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()

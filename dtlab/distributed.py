@@ -47,16 +47,21 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("DTLAB_TIMEOUT_S", "120")))
 
 
+def initialized() -> bool:
+    """True when this process is in a process group (``init_process_group`` ran and was not torn down)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def rank() -> int:
     """Global rank of this process (0 when not distributed)."""
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", 0))
 
 
 def world_size() -> int:
     """Number of processes in the job (1 when not distributed)."""
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", 1))
 
@@ -89,7 +94,7 @@ def on_rank0(fn: Callable[..., T]) -> Callable[..., T | None]:
 
 def barrier() -> None:
     """Wait for every rank (a no-op when not distributed)."""
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         dist.barrier()
 
 
@@ -165,7 +170,7 @@ def collective_device() -> torch.device:
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """``src``'s ``obj`` on every rank (any picklable value; works on gloo and nccl). Not distributed: ``obj``."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
@@ -175,7 +180,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 def all_agree(ok: bool) -> list[bool]:
     """Every rank's ``ok``, in rank order, on every rank: a collective to agree on success *before*
     a barrier, so one rank's failure becomes an error everywhere instead of a wait for the timeout."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not initialized() or dist.get_world_size() == 1:
         return [bool(ok)]
     flags = torch.tensor([int(bool(ok))], device=collective_device())
     gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
@@ -205,7 +210,7 @@ def teardown(failed: bool = False) -> None:
     top of the real one. Leaving at once closes its connections, so the peers' next collective fails
     quickly too.
     """
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         try:
             if not failed:
                 dist.barrier()

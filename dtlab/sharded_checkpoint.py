@@ -34,21 +34,14 @@ import torch
 import torch.distributed as dist
 
 from dtlab.checkpoint import CheckpointError
+from dtlab.distributed import initialized
 
 _STEP = re.compile(r"^step-(\d+)$")
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _barrier() -> None:
-    if _distributed():
+    if initialized():
         dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
 
 
 def _dcp(fn: Any, state: dict[str, Any], path: Path) -> Any:
@@ -56,7 +49,7 @@ def _dcp(fn: Any, state: dict[str, Any], path: Path) -> Any:
     import warnings
 
     with warnings.catch_warnings():
-        if not _distributed():
+        if not initialized():
             warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
         return fn(state, checkpoint_id=str(path))
 
@@ -79,12 +72,12 @@ def save(folder: str | os.PathLike, state: dict[str, Any], step: int, meta: dict
 
     final = step_folder(folder, step)
     partial = final.with_name(f".{final.name}.partial")
-    if _rank() == 0:
+    if (dist.get_rank() if initialized() else 0) == 0:
         Path(folder).mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving this step
     _barrier()
     _dcp(dcp.save, state, partial)  # returns once every rank has written and .metadata exists
-    if _rank() == 0:
+    if (dist.get_rank() if initialized() else 0) == 0:
         (partial / "meta.json").write_text(json.dumps({"step": step, **(meta or {})}, indent=1))
         for f in partial.iterdir():  # on disk before the rename makes it the newest checkpoint
             with open(f, "rb") as fh:
