@@ -169,6 +169,21 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].detach().float().cpu() - b[k].detach().float().cpu()).abs().max().item() for k in names)
 
 
+def plot_seconds(seconds: dict[str, float], title: str, xlabel: str = "seconds", color: str = "tab:purple"):
+    """A small horizontal bar chart of named durations (the first name on top); returns the figure.
+
+    Notebooks 04 and 17 draw their launchers' costs with it: ``plot_seconds({"launch.run": 3.1, ...}, title)``.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 0.45 * len(seconds) + 0.8))
+    ax.barh(list(seconds)[::-1], list(seconds.values())[::-1], color=color)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
 def memory_in_use(device: torch.device | str = "cpu") -> int:
     """Bytes this process holds on ``device`` now: allocated CUDA memory on a GPU, the resident set on the CPU.
 

@@ -1,4 +1,14 @@
-"""Notebook plumbing: parameters from papermill or Databricks widgets, checks that name a fix, scratch space.
+"""Notebook plumbing: the lesson's claims, parameters from papermill or Databricks widgets, checks that name
+a fix, scratch space.
+
+``Claims`` is the course's central mechanism: every number a lesson states (a speed-up, memory saved,
+"equal to one process") is checked in its last cell, each claim with the measured values it rests on,
+written to ``<notebook>.claims.json`` and raising when one does not hold — so running a notebook
+headless (``make test``) tests what it teaches.
+
+    claims = Claims("03_ddp")
+    claims.check("DDP on 2 processes = one process on the full batch", diff <= bound, max_diff=diff, bound=bound)
+    claims.verify()
 
 A course notebook's first code cell (tagged ``parameters``) assigns every knob a default.
 papermill overrides them by inserting a cell after it. On Databricks there is no papermill: a job
