@@ -1,27 +1,15 @@
-"""DeepSpeed ZeRO on 2 CPU processes: same weights as DDP, and per-rank partitions as the model says."""
+"""DeepSpeed ZeRO on 2 CPU processes: same weights as DDP, and per-rank partitions as the model says.
+
+Model, batches and the DDP baseline's loop are the strategy tests' shared ones (``tests/strategy.py``).
+"""
 
 import pytest
 import torch
-import torch.nn.functional as F
+from strategy import LOCAL_BATCH, STEPS, loss_of, make_batches, make_model, train_rank_share
 
 from dtlab._compat import leftover_deepspeed_shm
 from dtlab.launch import run
 from dtlab.measure import max_diff
-
-STEPS, LOCAL_BATCH = 3, 8
-
-
-def _model():
-    from dtlab import models
-
-    torch.manual_seed(0)
-    return models.MLP(16, 32, 4, depth=2)
-
-
-def _batches(world):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(STEPS, LOCAL_BATCH * world, 16, generator=g), torch.randint(0, 4, (STEPS, LOCAL_BATCH * world),
-                                                                                      generator=g)
 
 
 def train(stage):
@@ -35,17 +23,14 @@ def train(stage):
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _model()
-    xs, ys = _batches(world)
+    model = make_model("mlp")
+    xs, ys = make_batches("mlp", LOCAL_BATCH * world)
     rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
     held = None
     if stage is None:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        for step in range(STEPS):
-            opt.zero_grad()
-            F.cross_entropy(ddp(xs[step][rows]), ys[step][rows]).backward()
-            opt.step()
+        train_rank_share(ddp, opt, "mlp", rank, world)
     else:
         import deepspeed
         from deepspeed.utils import logger
@@ -54,7 +39,7 @@ def train(stage):
         cfg = ds_config.build(stage=stage, micro_batch=LOCAL_BATCH, world_size=world, lr=1e-2, weight_decay=0.1)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         for step in range(STEPS):
-            engine.backward(F.cross_entropy(engine(xs[step][rows]), ys[step][rows]))
+            engine.backward(loss_of(engine, "mlp", xs[step][rows], ys[step][rows]))
             grads = held_elements(engine)["grads"]
             engine.step()
         held = {**held_elements(engine), "grads": grads}
@@ -84,7 +69,7 @@ def test_zero_stage_trains_the_same_weights_as_ddp_and_holds_what_the_model_says
         diff = max_diff(r["state"], ddp_result["state"])
         assert diff == 0, f"stage {stage} drifted from DDP by {diff:.2e}"
 
-    psi, n = sum(p.numel() for p in _model().parameters()), 2
+    psi, n = sum(p.numel() for p in make_model("mlp").parameters()), 2
     pad = 8  # DeepSpeed pads each shard to an alignment: allow a few elements
     for r in results:
         h = r["held"]
