@@ -22,6 +22,7 @@ for the same configuration.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Any
@@ -39,6 +40,17 @@ def make_model(cfg: dict):
     torch.manual_seed(0)
     return models.TinyGPT(vocab_size=cfg["vocab"], block_size=cfg["block"], n_layer=cfg["n_layer"],
                           n_head=cfg["n_head"], n_embd=cfg["n_embd"], tie_weights=False)
+
+
+def accumulating(opt, m: int, micro) -> Any:
+    """One optimizer step over ``m`` micro-batches: ``micro(i)`` runs micro-batch ``i``'s forward and backward
+    (and whatever the strategy does with its gradients), then the optimizer steps."""
+    def step():
+        opt.zero_grad(set_to_none=False)
+        for i in range(m):
+            micro(i)
+        opt.step()
+    return step
 
 
 def worker(cfg: dict) -> dict[str, Any]:
@@ -98,16 +110,10 @@ def worker(cfg: dict) -> dict[str, Any]:
             ddp = DDP(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-            def step():
-                opt.zero_grad(set_to_none=False)
-                for i in range(m):
-                    if i < m - 1:
-                        with ddp.no_sync():
-                            ddp(x[i], y[i])[1].backward()
-                    else:
-                        ddp(x[i], y[i])[1].backward()
-                opt.step()
-            return step, lambda: fsdp2.held_elements(model, opt)
+            def micro(i):
+                with ddp.no_sync() if i < m - 1 else contextlib.nullcontext():
+                    ddp(x[i], y[i])[1].backward()
+            return accumulating(opt, m, micro), lambda: fsdp2.held_elements(model, opt)
         if name.startswith("FSDP2"):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -119,25 +125,19 @@ def worker(cfg: dict) -> dict[str, Any]:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             deferred = name.endswith("deferred")
 
-            def step():
-                opt.zero_grad(set_to_none=False)
-                for i in range(m):
-                    if deferred:
-                        model.set_requires_gradient_sync(i == m - 1)
-                    model(x[i], y[i])[1].backward()
-                opt.step()
-            return step, lambda: fsdp2.held_elements(model, opt)
+            def micro(i):
+                if deferred:
+                    model.set_requires_gradient_sync(i == m - 1)
+                model(x[i], y[i])[1].backward()
+            return accumulating(opt, m, micro), lambda: fsdp2.held_elements(model, opt)
         if name == "scratch FSDP":
             sharded = ScratchFSDP(model)
             opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
 
-            def step():
-                opt.zero_grad(set_to_none=False)
-                for i in range(m):
-                    sharded(x[i], y[i])[1].backward()
-                    sharded.finish_gradient_synchronization()
-                opt.step()
-            return step, lambda: fsdp2.held_elements(sharded, opt)
+            def micro(i):
+                sharded(x[i], y[i])[1].backward()
+                sharded.finish_gradient_synchronization()
+            return accumulating(opt, m, micro), lambda: fsdp2.held_elements(sharded, opt)
         config = ds_config.build(stage=3, micro_batch=per_rank, accumulation=m, world_size=world, lr=1e-3)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
