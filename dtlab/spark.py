@@ -71,11 +71,13 @@ def session(cores: int | None = None, gpus: int = 0, app_name: str = "dtlab-cour
         cores: task slots; TorchDistributor's barrier mode (``local_mode=False``) needs one per process.
         gpus: GPUs the local driver advertises (0 on a CPU machine). Ignored when a session exists.
     """
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
     active = SparkSession.getActiveSession()
     if active is not None:
         return active
+    existed = SparkContext._active_spark_context is not None   # getOrCreate would return it: not ours to stop
     cores = cores or os.cpu_count() or 2
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -92,7 +94,8 @@ def session(cores: int | None = None, gpus: int = 0, app_name: str = "dtlab-cour
                    .config("spark.driver.resource.gpu.discoveryScript", str(gpu_discovery_script(gpus))))
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
-    _OWNED.add(id(spark.sparkContext))
+    if not existed:
+        _OWNED.add(id(spark.sparkContext))
     return spark
 
 
