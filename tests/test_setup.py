@@ -27,8 +27,10 @@ def test_second_setup_builds_nothing():
 def test_deepspeed_ops_are_prebuilt_so_no_lesson_compiles():
     from deepspeed.git_version_info import installed_ops
 
-    assert installed_ops["cpu_adam"] and installed_ops["fused_adam"]
-    if not __import__("torch").cuda.is_available():
+    assert installed_ops["cpu_adam"]
+    if __import__("torch").cuda.is_available():
+        assert installed_ops["fused_adam"]
+    else:  # CPU: fused_adam is not built (the course's configs run torch's AdamW: nothing loads it)
         assert installed_ops["deepspeed_shm_comm"]
 
 
