@@ -63,12 +63,16 @@ def test_a_fractional_or_larger_gpu_amount_is_refused_as_pyspark_35_would(monkey
                    .config("spark.executor.resource.gpu.amount", "4")
                    .config("spark.executor.resource.gpu.discoveryScript", str(spark.gpu_discovery_script(4)))
                    .getOrCreate())
+        assert session.conf.get("spark.task.resource.gpu.amount") == amount   # a new context, not the last one
         try:
             found[amount] = TorchDistributor(num_processes=4, local_mode=False, use_gpu=True).num_tasks
         except ValueError as err:
             found[amount] = err
-        finally:
-            spark.stop(session, force=True)
+        finally:  # the next context reuses this Java process (about 8 s to start one); the last one stops it
+            if amount == "2":
+                spark.stop(session, force=True)
+            else:
+                session.stop()
         assert spark.gpu_problem_of({"spark.task.resource.gpu.amount": amount}, set(), local_mode=False)
     assert isinstance(found["0.5"], ValueError) and "int()" in spark.gpu_problem_of(
         {"spark.task.resource.gpu.amount": "0.5"}, set(), local_mode=False)
@@ -96,8 +100,9 @@ def test_stop_stops_only_sessions_dtlab_started():
         assert spark.stop(theirs) is False
         assert theirs.range(3).count() == 3                    # still running
     finally:
-        spark.stop(theirs, force=True)
+        theirs.stop()                                          # PySpark's stop: its Java process stays, for ours
     ours = spark.session(cores=1)
+    assert ours is not theirs
     assert spark.stop(ours) is True
 
 
