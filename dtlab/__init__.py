@@ -7,6 +7,7 @@ Its folders are its map. At the top, what a learner imports, one module per conc
     dtlab.launch       run a function (even one defined in a notebook) on N processes
     dtlab.processes    stopping what was started: wait until processes are gone, then force the rest
     dtlab.models       MLP, SmallResNet, TinyGPT, count_parameters
+    dtlab.activations  activation memory measured (allocator, saved tensors); recomputation per block
     dtlab.data         deterministic synthetic data, scikit-learn digits, DistributedLoader
     dtlab.checkpoint   atomic save, safe load, exact training state, periodic Checkpointer
     dtlab.sharded_checkpoint  DCP checkpoints: one file per rank, any world size loads them; atomic, checked

@@ -102,9 +102,14 @@ class CausalSelfAttention(nn.Module):
     Queries, keys and values have a projection each (``q``, ``k``, ``v``) and the heads are read
     off the tensor's shape, so a tensor-parallel rank holding only some heads' rows of ``q/k/v``
     (and the matching columns of ``proj``) runs this same code on its heads (notebook 13).
+
+    The attention itself (scores, softmax, weighted sum) is the submodule ``core``: PyTorch's fused
+    ``scaled_dot_product_attention`` by default, or, with ``fused=False``, written out as
+    ``softmax(q k^T / sqrt(d)) v``, which keeps the ``heads x seq x seq`` probabilities for its backward
+    (notebook 18 measures the difference and recomputes ``core`` alone: selective recomputation).
     """
 
-    def __init__(self, n_embd: int, n_head: int):
+    def __init__(self, n_embd: int, n_head: int, fused: bool = True, dropout: float = 0.0):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
@@ -113,24 +118,50 @@ class CausalSelfAttention(nn.Module):
         self.q = nn.Linear(n_embd, n_embd)
         self.k = nn.Linear(n_embd, n_embd)
         self.v = nn.Linear(n_embd, n_embd)
+        self.core = AttentionCore(fused)
         self.proj = nn.Linear(n_embd, n_embd)
+        self.dropout = nn.Dropout(dropout) if dropout else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        y = self.proj(self.core(q, k, v).transpose(1, 2).reshape(b, t, -1))
+        return self.dropout(y) if self.dropout is not None else y
+
+
+class AttentionCore(nn.Module):
+    """Causal attention of ``q, k, v`` shaped ``(batch, heads, time, head_dim)``, no parameters.
+
+    ``fused=True``: ``F.scaled_dot_product_attention`` (a fused kernel on CPU and GPU: its backward
+    recomputes the scores, so it keeps only q, k, v, its output and one log-sum-exp per row).
+    ``fused=False``: the same arithmetic written out; autograd keeps the probabilities, ``heads x time x time``
+    per sequence.
+    """
+
+    def __init__(self, fused: bool = True):
+        super().__init__()
+        self.fused = fused
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        t = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)) (dropout after each, if any)."""
 
-    def __init__(self, n_embd: int, n_head: int):
+    def __init__(self, n_embd: int, n_head: int, fused_attention: bool = True, dropout: float = 0.0):
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.attn = CausalSelfAttention(n_embd, n_head, fused=fused_attention, dropout=dropout)
         self.ln2 = nn.LayerNorm(n_embd)
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        if dropout:
+            self.mlp.append(nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -149,12 +180,12 @@ class TinyGPT(nn.Module):
     """
 
     def __init__(self, vocab_size: int = 64, block_size: int = 32, n_layer: int = 2, n_head: int = 4,
-                 n_embd: int = 64, tie_weights: bool = True):
+                 n_embd: int = 64, tie_weights: bool = True, fused_attention: bool = True, dropout: float = 0.0):
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, fused_attention, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:

@@ -18,7 +18,7 @@ def test_import_dtlab_then_use_any_module():
 
 
 def test_an_unknown_module_lists_the_real_ones():
-    with pytest.raises(AttributeError, match="Its modules: advise, bandwidth, checkpoint"):
+    with pytest.raises(AttributeError, match="Its modules: activations, advise, bandwidth, checkpoint"):
         dtlab.no_such_thing  # noqa: B018
 
 

@@ -1,0 +1,180 @@
+"""Activation memory, measured, and recomputation (activation checkpointing) — notebook 18.
+
+Between a layer's forward and its backward, training keeps the tensors the backward needs: the
+*activations*. They grow with batch x sequence x width x layers and, at long sequences, they rather than
+the weights decide what fits (sharding the weights, notebook 12, leaves them whole on every rank).
+Recomputation keeps less and runs part of the forward again during the backward:
+
+* ``"none"``: keep everything;
+* ``"selective"``: recompute each block's attention core (scores, softmax, weighted sum: the part that
+  grows with the sequence squared), keeping its inputs q, k, v — Korthikanti et al. 2022's selective
+  recomputation; a fused attention kernel already does this inside its own backward;
+* ``"full"``: recompute each whole block, keeping only the block's input: about one more forward pass.
+
+``recompute(model, mode)`` applies it to a model made of blocks (``dtlab.models.TinyGPT``) with PyTorch's
+``checkpoint_wrapper`` — the wrapper torchtitan applies per block before ``fully_shard``.
+``SavedTensors`` counts what autograd keeps, tensor by tensor (saved-tensor hooks, on any device), and
+``step_memory`` what a training step allocates, from the allocator's own records (the profiler's memory
+events on a CPU, ``torch.cuda.max_memory_allocated`` on a GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+MODES = ("none", "selective", "full")
+
+
+class SavedTensors:
+    """Count what autograd keeps for the backward pass inside ``with SavedTensors(exclude) as saved:``.
+
+    Each distinct storage is counted once (a layer norm's output that three projections save is one
+    tensor), and the tensors in ``exclude`` (pass the model's parameters: they are kept anyway) are left
+    out. After the block: ``saved.bytes`` and ``saved.tensors``, and ``saved.shapes`` (one per tensor, in
+    the order they were first saved).
+
+    Unlike ``dtlab.measure.SavedBytes`` (which adds up every save, the same tensor each time it is saved),
+    this is the memory the saved tensors occupy. What a checkpoint keeps by reference (its inputs) is not
+    a saved tensor: ``step_memory`` measures everything.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._skip = {_key(t) for t in exclude}
+        self._seen: set[tuple] = set()
+        self.bytes = 0
+        self.tensors = 0
+        self.shapes: list[tuple[int, ...]] = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _key(t)
+        if key not in self._skip and key not in self._seen:
+            self._seen.add(key)
+            self.bytes += t.untyped_storage().nbytes()
+            self.tensors += 1
+            self.shapes.append(tuple(t.shape))
+        return t
+
+    def __enter__(self) -> SavedTensors:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What one forward + backward allocated, in bytes above what was allocated before it.
+
+    ``held``: allocated by the forward and still alive when the backward starts (the activations, the
+    loss and the logits). ``peak``: the most alive at any moment of the step (recomputed activations and
+    gradients included).
+    """
+
+    held: int
+    peak: int
+
+
+def step_memory(loss_fn: Callable[[], torch.Tensor], device: torch.device | str = "cpu") -> StepMemory:
+    """Run ``loss = loss_fn()`` and ``loss.backward()``; return what they allocated (``StepMemory``).
+
+    On a GPU: ``torch.cuda.memory_allocated`` before and after the forward, ``max_memory_allocated``
+    across the step. On a CPU: the profiler's record of every allocation and free (``profile_memory``),
+    added up in time order. Set gradients to None before the step to count them where they are made.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        loss = loss_fn()
+        torch.cuda.synchronize(device)
+        held = torch.cuda.memory_allocated(device) - start
+        loss.backward()
+        torch.cuda.synchronize(device)
+        return StepMemory(held=int(held), peak=int(torch.cuda.max_memory_allocated(device) - start))
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = loss_fn()
+        with record_function("dtlab.backward"):
+            loss.backward()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    backward_at = min(e["ts"] for e in events if e.get("name") == "dtlab.backward")
+    memory = sorted((e["ts"], e["args"]["Bytes"]) for e in events
+                    if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0)
+    alive = peak = 0
+    held = None
+    for ts, change in memory:
+        if held is None and ts >= backward_at:
+            held = alive
+        alive += change
+        peak = max(peak, alive)
+    return StepMemory(held=int(alive if held is None else held), peak=int(peak))
+
+
+def recompute(model: nn.Module, mode: str, *, reentrant: bool = False, preserve_rng_state: bool = True,
+              blocks: str = "blocks") -> nn.Module:
+    """Apply activation recomputation to each block of ``model`` (in place; returns ``model``).
+
+    ``mode``: ``"none"`` (nothing), ``"selective"`` (each block's ``attn.core`` is wrapped) or ``"full"``
+    (each whole block is wrapped), with ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``: the
+    wrapped module's forward runs under ``torch.utils.checkpoint.checkpoint`` and its state-dict keys stay
+    those of the plain model. ``reentrant=False`` is PyTorch's recommended implementation (the reentrant
+    one needs an input that requires grad and cannot be nested); ``preserve_rng_state=False`` saves the
+    cost of stashing the RNG state, and is wrong as soon as the block has dropout (notebook 18 shows it).
+    ``blocks`` names the ``ModuleList`` of blocks. With FSDP2, apply it before ``fully_shard``.
+
+    Raises:
+        ValueError: an unknown mode, or a model without that list of blocks (the fix named).
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: use one of {', '.join(map(repr, MODES))}")
+    layers = getattr(model, blocks, None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no ModuleList {blocks!r} of blocks. Fix: pass blocks=<the name "
+                         "of the list of layers>, or wrap modules yourself with checkpoint_wrapper")
+    if mode == "none":
+        return model
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+
+    def wrap(module: nn.Module) -> nn.Module:
+        return checkpoint_wrapper(module, checkpoint_impl=impl, preserve_rng_state=preserve_rng_state)
+
+    for i, block in enumerate(layers):
+        if mode == "full":
+            layers[i] = wrap(block)
+        elif not hasattr(getattr(block, "attn", None), "core"):
+            raise ValueError(f"block {i} ({type(block).__name__}) has no attn.core to recompute selectively. "
+                             "Fix: mode='full', or wrap its attention module yourself with checkpoint_wrapper")
+        else:
+            block.attn.core = wrap(block.attn.core)
+    return model
+
+
+def recomputed(model: nn.Module) -> int:
+    """How many modules of ``model`` are wrapped for recomputation."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return sum(isinstance(m, CheckpointWrapper) for m in model.modules())
