@@ -20,8 +20,10 @@ events on a CPU, ``torch.cuda.max_memory_allocated`` on a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -107,10 +109,16 @@ def step_memory(loss_fn: Callable[[], torch.Tensor], device: torch.device | str 
         return StepMemory(held=int(held), peak=int(torch.cuda.max_memory_allocated(device) - start))
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _native_stderr_muted():                 # Kineto prints a line at every start and stop
+        prof.start()
+    try:
         loss = loss_fn()
         with record_function("dtlab.backward"):
             loss.backward()
+    finally:
+        with _native_stderr_muted():
+            prof.stop()
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -130,6 +138,20 @@ def step_memory(loss_fn: Callable[[], torch.Tensor], device: torch.device | str 
         alive += change
         peak = max(peak, alive)
     return StepMemory(held=int(alive if held is None else held), peak=int(peak))
+
+
+@contextlib.contextmanager
+def _native_stderr_muted():
+    """Send what C++ code writes to file descriptor 2 to /dev/null for the block (Python's stderr is untouched)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def recompute(model: nn.Module, mode: str, *, reentrant: bool = False, preserve_rng_state: bool = True,

@@ -146,9 +146,9 @@ class AttentionCore(nn.Module):
         if self.fused:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         t = q.shape[-2]
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-        future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-        return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v
+        future = torch.full((t, t), float("-inf"), dtype=q.dtype, device=q.device).triu(1)   # added: kept by no one
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1])) + future
+        return torch.softmax(scores, dim=-1) @ v
 
 
 class Block(nn.Module):

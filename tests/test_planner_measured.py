@@ -2,7 +2,7 @@
 micro-batches per step. The bytes each step puts on the wire are measured (loopback counters) and must be what the
 planner's traffic says, priced with each collective's measured bytes per element; ZeRO-3's and FSDP2's grow with the
 micro-batches (they gather parameters and reduce gradients for every one), DDP's do not (no_sync).
-Step times are compared in notebook 18 and benchmarks/, never asserted here."""
+Step times are compared in notebook 19 and benchmarks/, never asserted here."""
 
 import pytest
 

@@ -2,7 +2,7 @@
 
 Everything here is arithmetic from published papers, with the paper named where the formula is
 given. ``dtlab.planner.cost`` combines these into a step time, ``dtlab.planner.advise`` ranks
-strategies with it; notebooks 06, 12 and 18 measure what the formulas predict.
+strategies with it; notebooks 06, 12 and 19 measure what the formulas predict.
 
 **Model states** (Rajbhandari et al., "ZeRO", 2019). With Ψ parameters trained by Adam in mixed
 precision, every GPU of plain data parallelism holds 2Ψ bytes of 16-bit parameters, 2Ψ of 16-bit
@@ -492,7 +492,7 @@ def size_guide(num_params: float) -> tuple[str, str]:
 
     Returns:
         ``(size label, advice)``, e.g. ``("1B-7B", "1-2 nodes (4-8 GPUs), DDP + mixed precision")``.
-        A rule of thumb, not a computation: notebooks 06 and 18 check it against the planner.
+        A rule of thumb, not a computation: notebooks 06 and 19 check it against the planner.
     """
     for limit, label, advice in SIZE_GUIDE:
         if num_params <= limit:
