@@ -26,7 +26,7 @@ Its folders are its map. At the top, what a learner imports, one module per conc
 Then three folders:
 
     dtlab.parallel     each strategy from scratch (data_parallel, zero, fsdp, tensor, pipeline, context,
-                       expert) beside the thin wrappers of its PyTorch API (fsdp2, dtensor, pipelining),
+                       ulysses, expert) beside the thin wrappers of its PyTorch API (fsdp2, dtensor, pipelining),
                        the named device mesh that composes them (mesh) and the side-by-side measurement
     dtlab.planner      will it fit, how fast, which strategy (``dtlab advise``): hardware facts, formulas,
                        cost model, advice, the speed-up model, held to published training runs

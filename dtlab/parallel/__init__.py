@@ -2,8 +2,8 @@
 
 Each strategy module is the naive-but-correct version of what a library does for you, with its own
 small communication helpers and no global state, so a learner can read it beside the library's API
-and the tests can compare it with a single process. Tensor, pipeline, context and expert parallelism
-count what they send with ``dtlab.distributed.GroupTally`` (a process group and a tally); data
+and the tests can compare it with a single process. Tensor, pipeline, context (ring and Ulysses) and
+expert parallelism count what they send with ``dtlab.distributed.GroupTally`` (a process group and a tally); data
 parallelism counts its all-reduce calls and the scratch FSDP its gathers in flight, which is what
 their lessons measure:
 
@@ -13,6 +13,7 @@ their lessons measure:
     dtlab.parallel.tensor         tensor parallelism: column/row-parallel layers, heads and vocabulary split
     dtlab.parallel.pipeline       pipeline parallelism: stages over ranks, GPipe and 1F1B schedules
     dtlab.parallel.context        context parallelism: ring attention over a sequence split across ranks
+    dtlab.parallel.ulysses        Ulysses sequence parallelism: heads and sequence swapped by all-to-all
     dtlab.parallel.expert         expert parallelism: a mixture-of-experts layer, experts spread over ranks
 
 PyTorch's counterparts, each a thin wrapper that says which torch has the API and what a rank holds:
@@ -29,7 +30,7 @@ Import the one you need, e.g. ``from dtlab.parallel.data_parallel import DataPar
 import importlib
 
 #: The strategies, loaded on first use (``dtlab.parallel.zero`` works after ``import dtlab``).
-STRATEGIES = ("data_parallel", "zero", "fsdp", "tensor", "pipeline", "context", "expert")
+STRATEGIES = ("data_parallel", "zero", "fsdp", "tensor", "pipeline", "context", "ulysses", "expert")
 #: PyTorch's counterparts and the tools that compose and compare the strategies.
 WRAPPERS = ("fsdp2", "dtensor", "pipelining", "mesh", "side_by_side")
 
