@@ -10,7 +10,7 @@ Its folders are its map. At the top, what a learner imports, one module per conc
     dtlab.activations  activation memory measured (allocator, saved tensors); recomputation per block
     dtlab.data         deterministic synthetic data, scikit-learn digits, DistributedLoader
     dtlab.checkpoint   atomic save, safe load, exact training state, periodic Checkpointer
-    dtlab.sharded_checkpoint  DCP checkpoints: one file per rank, any world size loads them; atomic, checked
+    dtlab.sharded_checkpoint  DCP checkpoints: one file per rank, any world size loads them; manifest, async
     dtlab.resumable    the training loop that resumes exactly after being killed (notebook 10)
     dtlab.faults       faults on purpose: kill a checkpoint writer, a stuck or dead peer
     dtlab.measure      StepTimer, throughput, profiler breakdown, max_diff against the rounding bound

@@ -7,9 +7,15 @@ shards, so a checkpoint saved by 2 ranks loads on 1 or 3 — resharding for free
 what a training run needs around it, with the guarantees of ``dtlab.checkpoint``:
 
 * ``save``     writes into a hidden ``.step-N.partial`` folder and renames it to ``step-N`` once
-  every rank has finished: a run killed mid-write leaves the previous checkpoint as the newest.
+  every rank has finished, then a ``manifest.json`` (every file and its size) is the last file
+  written: a run killed mid-write leaves the previous checkpoint as the newest. On paths where a
+  rename is not atomic — object stores behind a file system: a Databricks ``/Volumes`` or ``/dbfs``
+  path, S3 through a FUSE mount — it writes straight into ``step-N``, and the manifest alone says the
+  checkpoint is complete (``rename=False``; chosen by itself for those paths).
+* ``save_async``  the same, in the background (``dcp.async_save``): training goes on while the files
+  are written; ``wait()`` on what it returns finishes it (the manifest, the rename).
 * ``read_meta``  plain data saved beside the tensors (step, data loader position), as JSON.
-* ``latest``   the newest complete checkpoint in a folder (partial and damaged ones skipped).
+* ``latest``   the newest complete checkpoint in a folder (one with a manifest its files match).
 * ``check``    before anything is read: is every rank's file there, and does the checkpoint hold
   this model (same names, same shapes)? A ``CheckpointError`` names what is wrong and the fix,
   and nothing already in memory has been changed.
@@ -59,39 +65,137 @@ def step_folder(folder: str | os.PathLike, step: int) -> Path:
     return Path(folder) / f"step-{step:08d}"
 
 
-def save(folder: str | os.PathLike, state: dict[str, Any], step: int, meta: dict[str, Any] | None = None) -> Path:
+#: Path prefixes where a folder rename is not atomic (object stores mounted as files): save writes in place there.
+NO_ATOMIC_RENAME = ("/Volumes/", "/dbfs/", "/mnt/")
+MANIFEST = "manifest.json"
+
+
+def renames_atomically(folder: str | os.PathLike) -> bool:
+    """False for a Databricks ``/Volumes``, ``/dbfs`` or ``/mnt`` path (object storage behind a FUSE file system,
+    where renaming a folder copies its files one by one), True elsewhere."""
+    return not str(Path(folder).absolute()).startswith(NO_ATOMIC_RENAME)
+
+
+def _rank() -> int:
+    return dist.get_rank() if initialized() else 0
+
+
+def _begin(folder: str | os.PathLike, step: int, rename: bool | None) -> tuple[Path, Path, bool]:
+    """Where this save writes (``writing``) and ends up (``final``); empties ``writing`` first. A collective."""
+    rename = renames_atomically(folder) if rename is None else rename
+    final = step_folder(folder, step)
+    writing = final.with_name(f".{final.name}.partial") if rename else final
+    if _rank() == 0:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        if writing.exists():
+            if writing == final and (final / MANIFEST).exists():
+                (final / MANIFEST).unlink()     # first: a half-overwritten folder must not look complete
+            shutil.rmtree(writing, ignore_errors=True)  # left by a run killed while saving this step
+    _barrier()
+    return writing, final, rename
+
+
+def _finish(writing: Path, final: Path, step: int, meta: dict[str, Any] | None) -> Path:
+    """After every rank has written: meta.json, fsync, the rename (if any) and the manifest, last. A collective."""
+    if _rank() == 0:
+        (writing / "meta.json").write_text(json.dumps({"step": step, **(meta or {})}, indent=1))
+        for f in writing.iterdir():  # on disk before the checkpoint can count as complete
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if writing != final:
+            if final.exists():  # saving a step again: the new one replaces it
+                old = final.with_name(f".{final.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old)
+                writing.rename(final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                writing.rename(final)
+        files = {f.name: f.stat().st_size for f in sorted(final.iterdir()) if f.name != MANIFEST}
+        with open(final / MANIFEST, "w") as fh:
+            json.dump({"step": step, "files": files}, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+    _barrier()
+    return final
+
+
+def save(folder: str | os.PathLike, state: dict[str, Any], step: int, meta: dict[str, Any] | None = None,
+         rename: bool | None = None) -> Path:
     """Save ``state`` (e.g. ``{"model": ..., "optim": ...}``) as step ``step``; a collective.
 
     Every rank calls it with its own (sharded) state dict; each writes its own file. ``meta`` is
     small plain data rank 0 writes beside it as ``meta.json`` (the step, the data loader's
-    position): read it back with ``read_meta``. The folder appears under its final name only after
-    all ranks have written, so a crash leaves either the old newest checkpoint or the new one.
+    position): read it back with ``read_meta``. The checkpoint counts as complete only once every
+    rank has written and ``manifest.json`` (written last) lists its files, so a crash leaves either
+    the old newest checkpoint or the new one. ``rename``: write into a hidden folder and rename it
+    (True), or straight into ``step-N`` (False); None chooses by ``renames_atomically(folder)``.
     Returns the checkpoint's folder.
     """
     import torch.distributed.checkpoint as dcp
 
-    final = step_folder(folder, step)
-    partial = final.with_name(f".{final.name}.partial")
-    if (dist.get_rank() if initialized() else 0) == 0:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while saving this step
-    _barrier()
-    _dcp(dcp.save, state, partial)  # returns once every rank has written and .metadata exists
-    if (dist.get_rank() if initialized() else 0) == 0:
-        (partial / "meta.json").write_text(json.dumps({"step": step, **(meta or {})}, indent=1))
-        for f in partial.iterdir():  # on disk before the rename makes it the newest checkpoint
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():  # saving a step again: the new one replaces it
-            old = final.with_name(f".{final.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            partial.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            partial.rename(final)
-    _barrier()
-    return final
+    writing, final, _ = _begin(folder, step, rename)
+    _dcp(dcp.save, state, writing)  # returns once every rank has written and .metadata exists
+    return _finish(writing, final, step, meta)
+
+
+class PendingSave:
+    """A checkpoint being written in the background by ``save_async``.
+
+    ``done()``: whether this rank's files are written. ``wait()``: block until they are, then finish the
+    checkpoint (meta, rename, manifest) — a collective, so every rank calls it, before the next save and before
+    the run ends; returns the checkpoint's folder.
+    """
+
+    def __init__(self, future: Any, writing: Path, final: Path, step: int, meta: dict[str, Any] | None):
+        self._future, self._writing, self.folder, self._step, self._meta = future, writing, final, step, meta
+        self._finished = False
+
+    def done(self) -> bool:
+        return self._finished or self._future.done()
+
+    def wait(self) -> Path:
+        if not self._finished:
+            self._future.result()
+            _finish(self._writing, self.folder, self._step, self._meta)
+            self._finished = True
+        return self.folder
+
+
+def _snapshot(state: Any) -> Any:
+    """CPU tensors copied (what is saved is the state now, whatever training does next); others as they are:
+    ``dcp.async_save`` copies GPU tensors to CPU itself, but on torch 2.3 writes CPU tensors from the live ones."""
+    if isinstance(state, dict):
+        return {k: _snapshot(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_snapshot(v) for v in state]
+    if torch.is_tensor(state) and state.device.type == "cpu":
+        return state.detach().clone()
+    return state
+
+
+def save_async(folder: str | os.PathLike, state: dict[str, Any], step: int, meta: dict[str, Any] | None = None,
+               rename: bool | None = None) -> PendingSave:
+    """Start saving ``state`` as step ``step`` and return at once with a ``PendingSave``; a collective.
+
+    The state is copied first (the step loop pays for that copy, not for the writing), then DCP writes it
+    from a background thread (``dcp.async_save``, torch >= 2.3; in a process without a process group, a
+    thread of this module's running ``dcp.save``). Call ``wait()`` on the result on every rank
+    before the next save and before the end of the run; only then is the checkpoint complete.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    writing, final, _ = _begin(folder, step, rename)
+    copy = _snapshot(state)
+    if initialized():
+        future = _dcp(dcp.async_save, copy, writing)
+    else:  # one process, no group: torch 2.3's async_save needs one; a thread of our own does the same
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="dtlab-checkpoint")
+        future = pool.submit(_dcp, dcp.save, copy, writing)
+        pool.shutdown(wait=False)
+    return PendingSave(future, writing, final, step, meta)
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -117,18 +221,35 @@ def missing_files(path: str | os.PathLike) -> list[str]:
     return sorted(f for f in wanted if not (path / f).is_file())
 
 
+def incomplete(path: str | os.PathLike) -> str | None:
+    """Why the checkpoint at ``path`` is not complete (no manifest, a file missing or of another size than the
+    manifest says), or None when it is."""
+    path = Path(path)
+    try:
+        listed = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return (f"no {MANIFEST}: the save did not finish (or the folder was written by dtlab before manifests; "
+                "re-save it)")
+    except (ValueError, KeyError):
+        return f"{MANIFEST} is damaged: the save was killed while writing it"
+    for name, size in listed.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {size}"
+    return None
+
+
 def latest(folder: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint (``step-N`` with its metadata and every rank's file), or None."""
+    """The newest complete checkpoint (``step-N`` whose manifest its files match), or None."""
     folder = Path(folder)
     if not folder.is_dir():
         return None
     steps = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
     for _step, path in reversed(steps):
-        try:
-            if not missing_files(path):
-                return path
-        except Exception:  # unreadable metadata: an older one may still be good
-            continue
+        if incomplete(path) is None:
+            return path
     return None
 
 
@@ -155,6 +276,10 @@ def check(path: str | os.PathLike, state: dict[str, Any], which: tuple[str, ...]
         raise CheckpointError(f"{path} is missing {', '.join(lost)} (each rank writes its own file; a copy that "
                               "left one out cannot be loaded). Fix: copy the whole checkpoint folder, or load "
                               "an older complete one: dtlab.sharded_checkpoint.latest(folder).")
+    why = incomplete(path)
+    if why:
+        raise CheckpointError(f"{path} is not a complete checkpoint: {why}. Fix: load an older complete one: "
+                              "dtlab.sharded_checkpoint.latest(folder).")
     saved = {k: torch.Size(v.size) for k, v in _metadata(path).state_dict_metadata.items() if hasattr(v, "size")}
     wanted = {k: s for k, s in _flat_tensors({w: state[w] for w in which if w in state}).items()}
     absent = sorted(k for k in wanted if k not in saved)

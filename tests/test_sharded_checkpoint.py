@@ -176,32 +176,85 @@ def test_not_a_checkpoint_names_the_fix(tmp_path):
 KILLED_SAVE = textwrap.dedent("""
     import sys, torch
     from dtlab import sharded_checkpoint
-    folder = sys.argv[1]
-    sharded_checkpoint.save(folder, {"model": {"w": torch.ones(4)}}, 1)
+    folder, rename = sys.argv[1], sys.argv[2] == "rename"
+    sharded_checkpoint.save(folder, {"model": {"w": torch.ones(4)}}, 1, rename=rename)
     print("saved 1", flush=True)
     big = {"model": {"w": torch.zeros(4), "big": torch.zeros(64, 1024, 1024)}}  # 256 MB: slow enough to kill
-    sharded_checkpoint.save(folder, big, 2)
+    sharded_checkpoint.save(folder, big, 2, rename=rename)
     print("saved 2", flush=True)
 """)
 
 
 @pytest.mark.slow
-def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+@pytest.mark.parametrize("how", ["rename", "in-place"], ids=["renamed-when-done", "in-place-as-on-Volumes"])
+def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path, how):
+    """With a rename (a local disk) and without one (an object store's path, where only the manifest written
+    last says a checkpoint is complete)."""
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(tmp_path), how], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    writing = tmp_path / (".step-00000002.partial" if how == "rename" else "step-00000002")
     try:
         assert proc.stdout.readline().strip() == "saved 1"
-        partial = tmp_path / ".step-00000002.partial"
         deadline = time.monotonic() + 60
-        while not any(partial.glob("*")) and time.monotonic() < deadline:
+        while not any(writing.glob("*")) and time.monotonic() < deadline:
             time.sleep(0.005)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL and partial.exists(), "killed while writing step 2"
+    assert proc.returncode == -signal.SIGKILL and writing.exists(), "killed while writing step 2"
     assert sharded_checkpoint.latest(tmp_path) == sharded_checkpoint.step_folder(tmp_path, 1)
     state = sharded_checkpoint.load(sharded_checkpoint.latest(tmp_path), {"model": {"w": torch.zeros(4)}})
     assert torch.equal(state["model"]["w"], torch.ones(4))
+    if how == "in-place":
+        assert "no manifest.json" in sharded_checkpoint.incomplete(writing)
+        with pytest.raises(CheckpointError, match="not a complete (DCP )?checkpoint|is missing"):
+            sharded_checkpoint.load(writing, {"model": {"w": torch.zeros(4)}})
+
+
+def test_object_store_paths_are_written_in_place_and_the_manifest_says_what_is_complete(tmp_path):
+    assert not sharded_checkpoint.renames_atomically("/Volumes/main/default/ckpt")
+    assert not sharded_checkpoint.renames_atomically("/dbfs/tmp/ckpt")
+    assert sharded_checkpoint.renames_atomically(tmp_path)
+    path = sharded_checkpoint.save(tmp_path, {"model": {"w": torch.ones(4)}}, 3, rename=False)
+    assert not list(tmp_path.glob(".*")) and sharded_checkpoint.incomplete(path) is None
+    shard = next(f for f in path.iterdir() if f.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-1])                            # a file cut short, as a lost upload
+    assert "the manifest says" in sharded_checkpoint.incomplete(path)
+    assert sharded_checkpoint.latest(tmp_path) is None
+    (path / "manifest.json").write_text('{"step": 3, "fil')               # killed while writing the manifest
+    assert "damaged" in sharded_checkpoint.incomplete(path)
+
+
+def _async(folder):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    state = {"model": {"w": torch.full((1000,), float(dist.get_rank()))}}
+    sharded_checkpoint.save(folder, state, 1)
+    pending = sharded_checkpoint.save_async(folder, state, 2, meta={"next_batch": 7})
+    before = sharded_checkpoint.latest(folder)                 # not complete until wait() (may be written already)
+    state["model"]["w"] += 10                                   # training goes on while the save runs
+    path = pending.wait()
+    out = sharded_checkpoint.load(sharded_checkpoint.latest(folder), {"model": {"w": torch.zeros(1000)}})
+    dist.destroy_process_group()
+    return {"before": before.name, "path": path.name, "w": out["model"]["w"][0].item(),
+            "meta": sharded_checkpoint.read_meta(path)}
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_an_asynchronous_save_holds_the_state_at_the_call_and_is_complete_after_wait(tmp_path, ranks):
+    if ranks == 1:                                              # one process, no group: the module's own thread
+        state = {"model": {"w": torch.ones(1000)}}
+        pending = sharded_checkpoint.save_async(tmp_path, state, 2)
+        state["model"]["w"].zero_()
+        assert pending.wait() == sharded_checkpoint.latest(tmp_path) and pending.done()
+        out = sharded_checkpoint.load(pending.folder, {"model": {"w": torch.zeros(1000)}})
+        assert torch.equal(out["model"]["w"], torch.ones(1000))
+        return
+    for r in run(_async, tmp_path, nprocs=2):
+        assert (r["before"], r["path"]) == ("step-00000001", "step-00000002")
+        assert r["w"] == 0.0                                    # rank 0's value at the call, not the +10 after it
+        assert r["meta"] == {"step": 2, "next_batch": 7}
 
 
 def _bad_load(path):
