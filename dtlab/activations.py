@@ -31,10 +31,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dtlab.measure import SavedBytes
+
 MODES = ("none", "selective", "full")
 
 
-class SavedTensors:
+class SavedTensors(SavedBytes):
     """Count what autograd keeps for the backward pass inside ``with SavedTensors(exclude) as saved:``.
 
     Each distinct storage is counted once (a layer norm's output that three projections save is one
@@ -48,12 +50,11 @@ class SavedTensors:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()                       # the hooks, ``bytes`` and the context manager
         self._skip = {_key(t) for t in exclude}
         self._seen: set[tuple] = set()
-        self.bytes = 0
         self.tensors = 0
         self.shapes: list[tuple[int, ...]] = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _key(t)
@@ -63,13 +64,6 @@ class SavedTensors:
             self.tensors += 1
             self.shapes.append(tuple(t.shape))
         return t
-
-    def __enter__(self) -> SavedTensors:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
 
 
 def _key(t: torch.Tensor) -> tuple:

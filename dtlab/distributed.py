@@ -251,3 +251,22 @@ class GroupTally:
     def global_rank(self, group_rank: int) -> int:
         """The world rank of the group's rank ``group_rank`` (what point-to-point calls take)."""
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+
+class AllToAll(torch.autograd.Function):
+    """A differentiable all-to-all over a ``GroupTally`` with an ``all_to_all(x, a, b)`` method whose inverse is
+    ``all_to_all(y, b, a)`` (the same exchange, its two layouts swapped): ``AllToAll.apply(x, group, a, b)``.
+
+    Its backward sends each gradient back where its row came from. Expert parallelism passes the split sizes
+    (``a``: sent, ``b``: received), Ulysses the dimensions (``a``: scattered, ``b``: gathered).
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, a, b):
+        ctx.group, ctx.layouts = group, (a, b)
+        return group.all_to_all(x, a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.layouts
+        return ctx.group.all_to_all(grad, b, a), None, None, None

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dtlab.distributed import GroupTally
+from dtlab.distributed import AllToAll, GroupTally
 
 
 class ExpertGroup(GroupTally):
@@ -49,20 +49,6 @@ class ExpertGroup(GroupTally):
         width = math.prod(x.shape[1:])
         self.counts["elements_sent"] += (sum(send_splits) - send_splits[self.rank]) * width
         return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """Differentiable all-to-all: the backward sends each gradient row back where its row came from."""
-
-    @staticmethod
-    def forward(ctx, x, ep, send_splits, recv_splits):
-        ctx.ep, ctx.splits = ep, (send_splits, recv_splits)
-        return ep.all_to_all(x, send_splits, recv_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        send_splits, recv_splits = ctx.splits
-        return ctx.ep.all_to_all(grad, recv_splits, send_splits), None, None, None
 
 
 class MoE(nn.Module):
@@ -155,7 +141,7 @@ class ExpertParallelMoE(nn.Module):
         recv_counts = incoming.view(n, per)                              # [source rank, my expert]
         recv_splits = recv_counts.sum(1).tolist()
         # 2. dispatch, 3. my experts on what arrived (grouped by source rank, then by expert)
-        arrived = _AllToAll.apply(x[tokens], ep, send_splits, recv_splits)
+        arrived = AllToAll.apply(x[tokens], ep, send_splits, recv_splits)
         expert_of_row = torch.arange(per, device=x.device).repeat(n).repeat_interleave(recv_counts.flatten())
         processed = torch.zeros_like(arrived)
         for i, expert in enumerate(self.experts):
@@ -163,7 +149,7 @@ class ExpertParallelMoE(nn.Module):
             if rows.any():
                 processed = processed.index_put((rows.nonzero().squeeze(1),), expert(arrived[rows]))
         # 4. combine: back to the ranks the tokens came from, weighted, added up per token
-        returned = _AllToAll.apply(processed, ep, recv_splits, send_splits)
+        returned = AllToAll.apply(processed, ep, recv_splits, send_splits)
         out = torch.zeros_like(x).index_add(0, tokens, weights[:, None] * returned)
         stats["received"] = int(sum(recv_splits))
         stats["sent"] = int(sum(send_splits))

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtlab.distributed import GroupTally
+from dtlab.distributed import AllToAll, GroupTally
 
 
 class UlyssesGroup(GroupTally):
@@ -50,18 +50,6 @@ class UlyssesGroup(GroupTally):
         self.counts["all_to_all"] += 1
         self.counts["elements_sent"] += pieces.numel() * (n - 1) // n
         return torch.cat(received.unbind(0), dim=gather_dim)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sp, scatter_dim, gather_dim):
-        ctx.sp, ctx.dims = sp, (scatter_dim, gather_dim)
-        return sp.all_to_all(x, scatter_dim, gather_dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return ctx.sp.all_to_all(grad, gather_dim, scatter_dim), None, None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: UlyssesGroup,
@@ -85,12 +73,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Uly
         raise ValueError(f"Ulysses splits the heads over the {n} ranks: {heads} query and {kv_heads} key/value heads "
                          f"must both divide by {n}. Fix: a number of ranks that divides {kv_heads} (or ring attention, "
                          "dtlab.parallel.context, which has no such limit)")
-    q_all, k_all, v_all = (_AllToAll.apply(t, sp, 1, 2) for t in (q, k, v))   # my heads, every token
+    q_all, k_all, v_all = (AllToAll.apply(t, sp, 1, 2) for t in (q, k, v))   # my heads, every token
     group = heads // kv_heads
     if group > 1:
         k_all, v_all = k_all.repeat_interleave(group, dim=1), v_all.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(q_all, k_all, v_all, is_causal=causal)
-    return _AllToAll.apply(out, sp, 2, 1)                                      # every head, my tokens
+    return AllToAll.apply(out, sp, 2, 1)                                      # every head, my tokens
 
 
 def sent_per_rank(kind: str, batch: int, seq_len: int, heads: int, head_dim: int, n: int,
