@@ -3,9 +3,9 @@
 ``worker`` (run it with ``dtlab.launch.run(worker, cfg, nprocs=N)``) trains the same small GPT on the same
 batches with each strategy and measures, per optimizer step of M micro-batches:
 
-* the median time of a step, and the bytes that crossed the loopback interface during one (gloo talks TCP
-  over it; NCCL's traffic between GPUs is invisible to it, so ``wire`` is None there), less what the
-  measurement's own barriers send;
+* the fastest of its timed steps (noise on a shared machine only adds time), and the bytes that crossed the
+  loopback interface during one (gloo talks TCP over it; NCCL's traffic between GPUs is invisible to it, so
+  ``wire`` is None there), less what the measurement's own barriers send;
 * the collectives one step calls, by kind (``calls``, counted by ``dtlab.bandwidth.collective_calls``);
 * the elements a rank holds after a step (``held``: parameters, gradients, optimizer state; DeepSpeed's
   fp32 master slice apart, as ``master_weights``);
@@ -23,7 +23,6 @@ for the same configuration.
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from typing import Any
 
@@ -87,7 +86,7 @@ def worker(cfg: dict) -> dict[str, Any]:
     x = x.reshape(most, cfg["batch"], -1)[:, rank * per_rank:(rank + 1) * per_rank].to(dev)
     y = y.reshape(most, cfg["batch"], -1)[:, rank * per_rank:(rank + 1) * per_rank].to(dev)
 
-    def timed(work, repeats: int) -> float:    # median seconds, each try after a barrier
+    def timed(work, repeats: int) -> float:    # the fastest try, each after a barrier: noise only adds time
         work()
         times = []
         for _ in range(repeats):
@@ -95,7 +94,7 @@ def worker(cfg: dict) -> dict[str, Any]:
             start = time.perf_counter()
             work()
             times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return min(times)
 
     costs = collective_costs(dev, cfg["backend"])
     out: dict[str, Any] = {"wire_cost": costs["wire"], "time_cost": costs["time"], "results": {}}
