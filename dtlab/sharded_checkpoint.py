@@ -40,14 +40,9 @@ import torch
 import torch.distributed as dist
 
 from dtlab.checkpoint import CheckpointError
-from dtlab.distributed import initialized
+from dtlab.distributed import barrier, initialized
 
 _STEP = re.compile(r"^step-(\d+)$")
-
-
-def _barrier() -> None:
-    if initialized():
-        dist.barrier()
 
 
 def _dcp(fn: Any, state: dict[str, Any], path: Path) -> Any:
@@ -77,6 +72,8 @@ def renames_atomically(folder: str | os.PathLike) -> bool:
 
 
 def _rank() -> int:
+    """This process's rank in the group; 0 without one (unlike ``distributed.rank``, ``RANK`` is not read:
+    a process that never joined a group saves alone)."""
     return dist.get_rank() if initialized() else 0
 
 
@@ -91,7 +88,7 @@ def _begin(folder: str | os.PathLike, step: int, rename: bool | None) -> tuple[P
             if writing == final and (final / MANIFEST).exists():
                 (final / MANIFEST).unlink()     # first: a half-overwritten folder must not look complete
             shutil.rmtree(writing, ignore_errors=True)  # left by a run killed while saving this step
-    _barrier()
+    barrier()
     return writing, final, rename
 
 
@@ -116,7 +113,7 @@ def _finish(writing: Path, final: Path, step: int, meta: dict[str, Any] | None) 
             json.dump({"step": step, "files": files}, fh, indent=1)
             fh.flush()
             os.fsync(fh.fileno())
-    _barrier()
+    barrier()
     return final
 
 
