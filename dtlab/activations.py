@@ -15,7 +15,8 @@ Recomputation keeps less and runs part of the forward again during the backward:
 ``checkpoint_wrapper`` — the wrapper torchtitan applies per block before ``fully_shard``.
 ``SavedTensors`` counts what autograd keeps, tensor by tensor (saved-tensor hooks, on any device), and
 ``step_memory`` what a training step allocates, from the allocator's own records (the profiler's memory
-events on a CPU, ``torch.cuda.max_memory_allocated`` on a GPU).
+events on a CPU, ``torch.cuda.max_memory_allocated`` on a GPU); ``memory_after_each`` the same for any
+sequence of phases (the micro-batches of an accumulation step, notebook 12).
 """
 
 from __future__ import annotations
@@ -90,26 +91,49 @@ def step_memory(loss_fn: Callable[[], torch.Tensor], device: torch.device | str 
     across the step. On a CPU: the profiler's record of every allocation and free (``profile_memory``),
     added up in time order. Set gradients to None before the step to count them where they are made.
     """
+    loss = []
+    phases = memory_after_each([lambda: loss.append(loss_fn()), lambda: loss.pop().backward()], device)
+    return StepMemory(held=phases.after[0], peak=phases.peak)
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """Bytes allocated above the start: ``after[i]`` still alive when phase i ended, ``peak`` the most at any
+    moment."""
+
+    after: list[int]
+    peak: int
+
+
+def memory_after_each(phases: Iterable[Callable[[], object]], device: torch.device | str = "cpu") -> PhaseMemory:
+    """Run each function of ``phases`` in turn; return what was alive after each, and the peak (``PhaseMemory``).
+
+    For what a step holds *between* its parts: after a forward (activations), after each micro-batch of a
+    gradient-accumulation step (gradients and gathered weights kept for the next one). The allocator's own
+    record: ``torch.cuda.memory_allocated``/``max_memory_allocated`` on a GPU; on a CPU the profiler's record of
+    every allocation and free (``profile_memory``), added up in time order.
+    """
+    phases = list(phases)
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
-        loss = loss_fn()
-        torch.cuda.synchronize(device)
-        held = torch.cuda.memory_allocated(device) - start
-        loss.backward()
-        torch.cuda.synchronize(device)
-        return StepMemory(held=int(held), peak=int(torch.cuda.max_memory_allocated(device) - start))
+        after = []
+        for phase in phases:
+            phase()
+            torch.cuda.synchronize(device)
+            after.append(int(torch.cuda.memory_allocated(device) - start))
+        return PhaseMemory(after=after, peak=int(torch.cuda.max_memory_allocated(device) - start))
     from torch.profiler import ProfilerActivity, profile, record_function
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _native_stderr_muted():                 # Kineto prints a line at every start and stop
         prof.start()
     try:
-        loss = loss_fn()
-        with record_function("dtlab.backward"):
-            loss.backward()
+        for i, phase in enumerate(phases):
+            with record_function(f"dtlab.phase{i}"):
+                phase()
     finally:
         with _native_stderr_muted():
             prof.stop()
@@ -121,17 +145,18 @@ def step_memory(loss_fn: Callable[[], torch.Tensor], device: torch.device | str 
             events = json.load(f)["traceEvents"]
     finally:
         os.unlink(path)
-    backward_at = min(e["ts"] for e in events if e.get("name") == "dtlab.backward")
+    ends = sorted(e["ts"] + e["dur"] for e in events if e.get("name", "").startswith("dtlab.phase") and "dur" in e)
     memory = sorted((e["ts"], e["args"]["Bytes"]) for e in events
                     if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0)
     alive = peak = 0
-    held = None
+    after = []
     for ts, change in memory:
-        if held is None and ts >= backward_at:
-            held = alive
+        while len(after) < len(ends) and ts > ends[len(after)]:
+            after.append(alive)
         alive += change
         peak = max(peak, alive)
-    return StepMemory(held=int(alive if held is None else held), peak=int(peak))
+    after += [alive] * (len(ends) - len(after))
+    return PhaseMemory(after=[int(a) for a in after], peak=int(peak))
 
 
 @contextlib.contextmanager

@@ -121,6 +121,63 @@ def loopback_during(work, backend: str, tries: int = 3) -> int | None:
     return best
 
 
+
+def _tcp_counters() -> dict[tuple[int, int], int] | None:
+    """This process's TCP connections: ``(local port, peer port) -> bytes sent and acknowledged`` (the kernel's
+    ``tcp_info.tcpi_bytes_acked``, Linux). None where the kernel keeps no such counter."""
+    import os
+    import socket
+    import struct
+
+    if not hasattr(socket, "TCP_INFO") or not os.path.isdir("/proc/self/fd"):
+        return None
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(fd)))   # a second handle on the same connection, closed below
+        except OSError:
+            continue
+        try:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+                if len(info) >= 128:                     # tcpi_bytes_acked: a u64 at byte 120 (Linux >= 4.1)
+                    out[(s.getsockname()[1], s.getpeername()[1])] = struct.unpack_from("Q", info, 120)[0]
+        except OSError:
+            pass                                          # a listening or closing socket: no peer
+        finally:
+            s.close()
+    return out
+
+
+def peer_bytes_during(work) -> dict[int, int] | None:
+    """Bytes this rank sent to each other rank while ``work()`` ran: ``{peer rank: bytes}``. A collective.
+
+    Measured per TCP connection (gloo connects every pair of ranks over TCP; the kernel counts the bytes each
+    connection delivered), so unlike ``loopback_during`` it says *between whom* the bytes went: which of
+    them crossed a node boundary, for example. Payload only, no headers. None where a rank cannot read
+    its connections (not Linux) or the backend is not gloo (NCCL's traffic is not TCP).
+    """
+    before = _tcp_counters() if dist.get_backend() == "gloo" else None
+    ports = None if before is None else sorted({local for local, _ in before})
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ports)             # who listens / connects on which port
+    if any(p is None for p in everyone):
+        return None
+    owner = {port: rank for rank, rank_ports in enumerate(everyone) for port in rank_ports}
+    dist.barrier()
+    before = _tcp_counters()
+    work()
+    dist.barrier()
+    after = _tcp_counters()
+    sent: dict[int, int] = {}
+    for (local, peer), total in after.items():
+        rank = owner.get(peer)
+        if rank is not None and rank != dist.get_rank():
+            sent[rank] = sent.get(rank, 0) + total - before.get((local, peer), 0)
+    return sent
+
 #: c10d operator names (``torch.ops.c10d``) by the collective they perform.
 _KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "_allgather_base_": "all_gather",
          "allgather_": "all_gather", "allgather_coalesced_": "all_gather",
