@@ -364,3 +364,149 @@ def test_fsdp2_on_gloo_averages_bit_for_bit_like_one_process():
         for step in range(STEPS):
             for name, value in ref[step].items():
                 assert torch.equal(rank_states[step][name], value), f"step {step + 1}: {name} differs"
+
+
+# --- gradient accumulation and HSDP (notebooks 12 and 16), and the per-connection byte counter they read ------
+
+def all_reduce_sent(n):
+    import torch.distributed as dist
+
+    from dtlab.bandwidth import peer_bytes_during
+
+    dist.init_process_group("gloo")
+    t = torch.ones(n)
+    sent = peer_bytes_during(lambda: dist.all_reduce(t))
+    dist.destroy_process_group()
+    return sent
+
+
+def test_peer_bytes_count_what_each_rank_sent_to_each_other_rank():
+    """Two ranks all-reducing 400 kB each send the other 400 kB (a ring: 2(N-1)/N of it), plus gloo's headers;
+    nothing is attributed to the rank itself. A counter that read the wrong field or socket would be far off."""
+    for rank, sent in enumerate(run(all_reduce_sent, 100_000, nprocs=2)):
+        assert set(sent) == {1 - rank}
+        assert 400_000 <= sent[1 - rank] <= 400_000 + 2_000, sent
+
+
+MODES = ("every", "deferred", "kept")
+
+
+def accumulate_fsdp2(micro):
+    """FSDP2 on the mixed model, each rank's LOCAL_BATCH rows as ``micro`` micro-batches, in each sync mode:
+    the states after STEPS steps, the collectives of one more step, and the bytes held between micro-batches."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dtlab.activations import memory_after_each
+    from dtlab.bandwidth import collective_calls
+
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    xs, ys = batches("mixed", world)
+    rows = LOCAL_BATCH // micro
+    out = {}
+    for mode in MODES:
+        model = make_model("mixed")
+        for layer in (model.emb, model.fc1, model.fc2, model.head):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=mode != "kept")
+        fully_shard(model, mesh=mesh, reshard_after_forward=mode != "kept")
+
+        def micro_batch(step, i, model=model, mode=mode):
+            if mode != "every":
+                model.set_requires_gradient_sync(i == micro - 1)
+            if mode == "kept":
+                model.set_reshard_after_backward(i == micro - 1)
+            first = rank * LOCAL_BATCH + i * rows
+            (loss_of(model, "mixed", xs[step][first:first + rows], ys[step][first:first + rows]) / micro).backward()
+
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(STEPS - 1):
+            o.zero_grad(set_to_none=True)
+            for i in range(micro):
+                micro_batch(step, i)
+            o.step()
+        o.zero_grad(set_to_none=True)
+        calls = collective_calls(lambda: [micro_batch(-1, i) for i in range(micro)])
+        o.zero_grad(set_to_none=True)
+        held = memory_after_each([lambda i=i: micro_batch(-1, i) for i in range(micro)]).after
+        out[mode] = {"state": fsdp2.full_state(model), "calls": calls, "held": held}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fsdp2.AVAILABLE, reason=f"fully_shard needs torch >= {fsdp2.NEEDS_TORCH}")
+def test_fsdp2_accumulation_defers_the_reduce_scatters_and_trains_what_one_process_trains():
+    micro, world, groups = 2, 2, 5                      # four wrapped layers and the root
+    model = make_model("mixed")
+    o = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs, ys = batches("mixed", world)
+    for step in range(STEPS - 1):                       # one process, the whole batch at once
+        o.zero_grad()
+        loss_of(model, "mixed", xs[step], ys[step]).backward()
+        o.step()
+    ref = {n: p.detach() for n, p in model.named_parameters()}
+    bound = 64 * FLOAT32_EPS * max(v.abs().max().item() for v in ref.values())
+    psi = sum(p.numel() for p in model.parameters())
+    result = run(accumulate_fsdp2, micro, nprocs=world)[0]
+    for mode, r in result.items():
+        assert max_diff({k: v for k, v in r["state"].items() if k in ref}, ref) <= bound, mode
+    gathers = {m: result[m]["calls"].get("all_gather", 0) for m in MODES}
+    scatters = {m: result[m]["calls"].get("reduce_scatter", 0) for m in MODES}
+    assert scatters == {"every": groups * micro, "deferred": groups, "kept": groups}
+    assert gathers["every"] == gathers["deferred"] > gathers["kept"] == groups
+    held = {m: result[m]["held"][0] for m in MODES}     # after the first micro-batch
+    assert held["every"] < 4 * psi <= held["deferred"] < 8 * psi <= held["kept"], held
+
+
+def hybrid_or_full(hybrid):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dtlab.bandwidth import peer_bytes_during
+
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if hybrid
+            else init_device_mesh("cpu", (world,)))
+    model = make_model("mixed")
+    for layer in (model.emb, model.fc1, model.fc2, model.head):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    o = optimizer("sgd", model.parameters())
+    xs, ys = batches("mixed", world)
+    rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    states, sent = [], None
+    for step in range(STEPS):
+        o.zero_grad()
+        work = lambda: loss_of(model, "mixed", xs[step][rows], ys[step][rows]).backward()  # noqa: B023, E731
+        if step == 0:
+            sent = peer_bytes_during(work)
+        else:
+            work()
+        o.step()
+        states.append(fsdp2.full_state(model))
+    dist.destroy_process_group()
+    return {"states": states, "sent": sent}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fsdp2.AVAILABLE, reason=f"fully_shard needs torch >= {fsdp2.NEEDS_TORCH}")
+def test_hsdp_on_a_2x2_mesh_equals_one_process_and_sends_fewer_bytes_across_nodes_than_fsdp():
+    ref, _ = reference("mixed", 4)
+    bound = 16 * FLOAT32_EPS * max(v.abs().max().item() for v in ref[-1].values())
+    across = {}
+    for hybrid in (True, False):
+        results = run(hybrid_or_full, hybrid, nprocs=4)
+        for r in results:
+            assert max_diff(r["states"][-1], ref[-1]) <= bound, ("HSDP" if hybrid else "FSDP")
+        across[hybrid] = sum(b for rank, r in enumerate(results) for peer, b in r["sent"].items()
+                             if peer // 2 != rank // 2)        # "nodes": ranks 0-1 and 2-3
+    psi = sum(p.numel() for p in make_model("mixed").parameters())
+    assert 0 < across[True] < across[False]
+    assert across[True] >= 4 * 2 * psi                 # each rank all-reduces its half of the gradients (fp32)
