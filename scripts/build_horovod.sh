@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Build Horovod 0.28.1 (its last release) with PyTorch + Gloo, and install it into a venv.
 #
-# Horovod's sdist no longer builds as-is on current toolchains; fixes applied to the unpacked sdist:
+# Horovod's sdist no longer builds as-is on current toolchains; fixes (and one speed-up) applied to the
+# unpacked sdist:
 #   1. CMake >= 4 refuses the bundled gloo's old cmake_minimum_required:
 #      CMAKE_POLICY_VERSION_MINIMUM=3.5 lets it configure.
 #   2. torch >= 2.1 headers need C++17; the sdist asks for C++14: bump CMAKE_CXX_STANDARD to 17.
-#   3. Only for a CUDA build of torch on a machine without a GPU and without GPU operations asked for
+#   3. Release instead of RelWithDebInfo (setup.py's default; both -O3): no debug information, which
+#      took a fifth of the compile (224 s -> 179 s on 2 cores) and made the wheel 18.5 MB instead of 1.1 MB.
+#   4. Only for a CUDA build of torch on a machine without a GPU and without GPU operations asked for
 #      (Databricks Runtime 15.4's torch 2.3.1+cu121 in .venv-dbr15.4): Horovod sees torch's CUDA and
 #      adds its CUDA code, which needs a CUDA toolkit ("Could NOT find CUDAToolkit" at add_cuda in
 #      horovod/torch/CMakeLists.txt) and could not be used anyway. Build it for CPU tensors only, as it
@@ -34,7 +37,7 @@ sys.exit(not (horovod.__version__ == '$VERSION' and $check))" 2>/dev/null; then
   exit 0
 fi
 
-# Patch 3 applies to a CUDA build of torch without a GPU (and no GPU operations asked for).
+# Patch 4 applies to a CUDA build of torch without a GPU (and no GPU operations asked for).
 cpu_only=0
 if [ -z "$variant" ] && "$PY" -c "import torch, sys
 sys.exit(not (torch.version.cuda and not torch.cuda.is_available()))" 2>/dev/null; then
@@ -49,11 +52,13 @@ build() {  # $1: scratch folder; every step must succeed (set -e does not apply 
       "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt" &&
   { grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" \
       || { echo "patch 2 did not apply: horovod/torch/CMakeLists.txt changed"; return 1; }; } &&
+  sed -i "s/else 'RelWithDebInfo'/else 'Release'/" "$src/setup.py" &&
+  { grep -q "else 'Release'" "$src/setup.py" || { echo "patch 3 did not apply: setup.py changed"; return 1; }; } &&
   if [ "$cpu_only" = 1 ]; then
     sed -i 's/print(True if ((torch.version.cuda is not None) and (CUDA_HOME is not None)) else False)/print(False)/' \
         "$src/cmake/Modules/FindPytorch.cmake" &&
     { ! grep -q 'torch.version.cuda is not None' "$src/cmake/Modules/FindPytorch.cmake" \
-        || { echo "patch 3 did not apply: cmake/Modules/FindPytorch.cmake changed"; return 1; }; }
+        || { echo "patch 4 did not apply: cmake/Modules/FindPytorch.cmake changed"; return 1; }; }
   fi &&
   PATH="$(dirname "$PY"):$PATH" \
   CMAKE_POLICY_VERSION_MINIMUM=3.5 \

@@ -25,9 +25,11 @@ cached_wheel() {
 # install_cached_wheel NAME VERSION MINUTES BUILD [VARIANT]
 # Install NAME's wheel from the cache; on a miss, first run the function BUILD with a scratch folder
 # (it must leave the wheel in FOLDER/dist; its output goes to FOLDER/build.log) and cache the result.
+# The cache folder also carries a hash of the calling build script: a changed recipe builds anew.
 install_cached_wheel() {
-  local name=$1 version=$2 minutes=$3 build=$4 variant=${5:-} cache wheel work t
-  cache=$(wheel_cache "$variant")
+  local name=$1 version=$2 minutes=$3 build=$4 variant=${5:-} cache wheel work t recipe
+  recipe=$(sha256sum "${BASH_SOURCE[1]}" | cut -c1-8)
+  cache=$(wheel_cache "$variant")/$name-recipe-$recipe
   mkdir -p "$cache"
   wheel=$(cached_wheel "$cache" "$name" "$version")
   if [ -z "$wheel" ]; then
