@@ -102,6 +102,7 @@ def _hsdp_worker(cfg):
 
     from dtlab.bandwidth import _KIND, loopback_during
     from dtlab.distributed import all_gather_single, reduce_scatter_single
+    from dtlab.parallel.fsdp2 import held_elements
     from dtlab.parallel.side_by_side import accumulating, make_model
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -161,7 +162,7 @@ def _hsdp_worker(cfg):
                 model(x[i], x[i])[1].backward()
             step = accumulating(opt, m, micro)
             step()
-            out["results"].setdefault(variant, {})[m] = {"calls": counted(step),
+            out["results"].setdefault(variant, {})[m] = {"calls": counted(step), "held": held_elements(model, opt),
                                                          "wire": loopback_during(step, "gloo") - empty}
     dist.destroy_process_group()
     return out
@@ -236,3 +237,21 @@ def test_hsdp_gathers_in_the_shard_group_and_all_reduces_across_replicas(hsdp_me
     r = hsdp_measured["results"]
     last = max(HSDP_CFG["micro_batches"])
     assert r["HSDP, all-reduce deferred"][last]["wire"] < r["HSDP"][last]["wire"]
+
+
+def test_hsdp_ranks_hold_what_the_planner_says(hsdp_measured):
+    """Parameters, gradients and AdamW's moments each rank holds after a step (the local shards of fully_shard's
+    DTensors, counted) against the planner's memory for the layout in fp32 (bytes / 4): sharded over the shard
+    group of 2, not over all 4 ranks. The planner counts an fp32 master copy in the optimizer (DeepSpeed's); FSDP2's
+    fp32 shards are the master, so a rank holds Adam's two moments only."""
+    from dtlab.planner import cost, formulas
+
+    c = HSDP_CFG
+    shape = formulas.ModelShape("TinyGPT", c["n_layer"], c["n_embd"], c["n_head"], vocab=c["vocab"], tied=False)
+    for variant, by_m in hsdp_measured["results"].items():
+        for m, row in by_m.items():
+            setup = cost.Setup(global_batch=4 * m, micro_batch=1, seq_len=c["block"], precision="fp32")
+            mem = cost.memory(hsdp_measured["psi"], shape, _hsdp_layout(variant), setup, m)
+            assert row["held"] == {"params": mem["params"] / 4, "grads": mem["grads"] / 4,
+                                   "optimizer": (mem["optimizer"] - mem["params"]) / 4}, (variant, m)
+            assert row["held"]["params"] == hsdp_measured["psi"] / 2
