@@ -100,7 +100,8 @@ class Layout:
     sharded over groups of ``shard`` consecutive DP ranks (inside a node when ``shard x tp x cp x pp`` fits one)
     and replicated over ``dp / shard`` groups; 0 shards over all of DP (``shard=dp`` is the same thing).
     ``defer_all_reduce``: with HSDP, reduce-scatter every micro-batch but all-reduce across replicas once per
-    step (gradients stay sharded).
+    step (gradients stay sharded): the second of HSDP's three ways to accumulate, beside reducing every
+    micro-batch and ``defer_grad_sync`` (PyTorch PR 126166, ``FSDPModule.set_requires_all_reduce``).
     """
 
     dp: int = 1
