@@ -238,3 +238,48 @@ def test_dtlab_memory_is_now_a_view_of_advise(capsys):
     captured = capsys.readouterr()
     assert "dtlab advise --data-parallel-only" in captured.err
     assert "ZeRO-3" in captured.out and "TP" not in captured.out.split("Recommendation")[0]
+
+
+def test_hsdp_on_the_four_g5_nodes_beats_fsdp_but_not_zero1():
+    # 1.3B on 4 x g5.12xlarge: FSDP over 16 GPUs gathers every layer across the 40 Gbps network each micro-batch;
+    # HSDP gathers inside the node (PCIe) and sends only a quarter of the gradients across. ZeRO-1 all-reduces once
+    # per step behind the last backward and stays the answer (before HSDP was priced, and after).
+    a = advise.advise(1.3e9, cluster="g5.12xlarge x4")
+    z3, hsdp = a.row("ZeRO-3"), a.row("HSDP (shard 4, 4 replicas)")
+    assert hsdp["fits"] and hsdp["step_seconds"]["total"] < 0.85 * z3["step_seconds"]["total"]
+    assert hsdp["memory_bytes"]["optimizer"] == pytest.approx(4 * z3["memory_bytes"]["optimizer"])
+    deferred = a.row("HSDP (shard 4, 4 replicas), all-reduce deferred")
+    assert deferred["step_seconds"]["total"] < 0.5 * hsdp["step_seconds"]["total"]   # the network once per step
+    assert a.recommendation["strategy"] == "ZeRO-1"
+    assert "HSDP (shard 4, 4 replicas)" in a.table()
+
+
+def test_hsdp_does_not_fit_where_a_nodes_shard_cannot_hold_the_model():
+    # 16 bytes per parameter over a node's 4 A10Gs: 5B needs 20 GB of states per GPU (more than the 20.5 usable
+    # with activations), while ZeRO-3 over all 16 GPUs fits. A shard group of 2 nodes (8 GPUs), priced when asked,
+    # fits and is still faster than ZeRO-3: only half as many nodes in each gather's ring.
+    five = advise.advise(5e9, cluster="g5.12xlarge x4")
+    assert five.row("ZeRO-3")["fits"]
+    assert not any(r["fits"] for r in five.priced if r["layout"]["hsdp"] and r["layout"]["tp"] == 1)
+    two_nodes = advise.advise(5e9, cluster="g5.12xlarge x4", layout=advise.Layout(dp=16, zero=3, shard=8)).rows[0]
+    assert two_nodes["strategy"] == "HSDP (shard 8, 2 replicas)" and two_nodes["fits"]
+    assert two_nodes["tokens_per_second"] > five.row("ZeRO-3")["tokens_per_second"]
+
+
+def test_one_node_lists_no_hsdp_and_priced_by_hand_it_is_zero3():
+    a = advise.advise(1.3e9, cluster="g5.12xlarge")
+    assert not any(r["layout"]["hsdp"] for r in a.rows)
+    by_hand = advise.advise(1.3e9, cluster="g5.12xlarge", layout=advise.Layout(dp=4, zero=3, shard=4)).rows[0]
+    z3 = a.row("ZeRO-3")
+    assert by_hand["memory_bytes"] == z3["memory_bytes"] and by_hand["step_seconds"] == z3["step_seconds"]
+
+
+def test_hsdp_is_the_answer_where_the_network_is_slow_next_to_nvlink():
+    # 7B on 8 x p4d.24xlarge (NVLink inside, 400 Gbps between): before HSDP was priced the advice was
+    # TP2 x DP32 (ZeRO-1) at 230,276 tokens/s; HSDP over each node with one all-reduce per step is faster and much
+    # faster than FSDP over 64 GPUs.
+    a = advise.advise(7e9, cluster="p4d.24xlarge x8")
+    best = a.row(a.recommendation["strategy"])
+    assert best["layout"]["hsdp"] and best["layout"]["shard"] == 8
+    assert best["tokens_per_second"] > 1.5 * a.row("ZeRO-3")["tokens_per_second"]
+    assert best["tokens_per_second"] > a.row("TP2 x DP32 (ZeRO-1)")["tokens_per_second"]

@@ -6,10 +6,17 @@ prices, for one model, one training set-up and one cluster (``STRATEGIES``):
 * data parallelism over every GPU: DDP, ZeRO-1, ZeRO-2, ZeRO-3 (FSDP's memory and traffic: PyTorch's
   ``fully_shard`` is ZeRO-3 in this model), ZeRO-3 with gradient sync deferred to the step's last
   micro-batch, and ZeRO with the optimizer (and parameters) offloaded to host memory;
+* on more than one node, HSDP (``hsdp_layouts``): ZeRO-3 inside each node and replicated across nodes, so
+  that only the gradients' all-reduce crosses the slower network; as ``fully_shard`` does it by default
+  (every micro-batch), with the all-reduce deferred to the step's last micro-batch
+  (``set_requires_all_reduce``), and with all gradient sync deferred. On one node HSDP is ZeRO-3 and is not
+  listed again; a shard group of several nodes is priced when asked (``layout=Layout(dp=..., zero=3,
+  shard=8)``);
 * tensor x pipeline x data layouts: every TP degree that divides the heads and the GPU count, every
   pipeline depth that divides what is left (stages need not hold equal numbers of layers: the busiest
-  one sets the pace), ZeRO-1 over the data dimension (Megatron-LM's distributed optimizer), and
-  TP x ZeRO-3 (torchtitan's FSDP + TP).
+  one sets the pace), ZeRO-1 over the data dimension (Megatron-LM's distributed optimizer),
+  TP x ZeRO-3 (torchtitan's FSDP + TP), and on more than one node TP x HSDP sharded inside the node
+  (torchtitan's 3-D ``dp_replicate x dp_shard x tp``).
 
 Each row holds memory per GPU by part and whether it fits (``cost.memory``), the step time by part
 (``cost.cost``: compute with recomputation, exposed and hidden communication, the bubble, offload
@@ -40,6 +47,8 @@ STRATEGIES = [Layout(zero=0), Layout(zero=1), Layout(zero=2), Layout(zero=3), La
               Layout(zero=3, offload_optimizer=True, offload_params=True)]
 #: How many TP x PP x DP rows the table shows (the fastest; ``Advice.rows`` holds every one).
 SHOWN_LAYOUTS = 6
+#: How many HSDP rows the table shows (the fastest that fit first).
+SHOWN_HSDP = 3
 _FITS = {True: "yes ", False: "no  ", None: "?   "}   # ?: offloaded to a host whose memory was not given
 
 
@@ -83,21 +92,26 @@ class Advice:
                  "GB = 10^9 bytes per GPU; step in seconds" + (
                      f"; compute at {s['efficiency']:.0%} of peak ({s['efficiency_source']})" if self.timed
                      else " (not computed: see below)"),
-                 f"{'strategy':<36}{'params':>7}{'grads':>7}{'optim':>7}{'activ':>7}{'other':>7}{'total':>7}"
+                 f"{'strategy':<48}{'params':>7}{'grads':>7}{'optim':>7}{'activ':>7}{'other':>7}{'total':>7}"
                  f"{'host':>7}  fits{'step':>8}{'tokens/s':>10}{'MFU':>6}"]
         data = [r for r in self.priced if r["layout"]["tp"] == r["layout"]["pp"] == r["layout"]["cp"] == 1]
-        composed = [r for r in self.priced if r not in data]
+        hsdp = [r for r in data if r["layout"]["hsdp"]]
+        data = [r for r in data if r not in hsdp]
+        composed = [r for r in self.priced if r not in data and r not in hsdp]
         key = (lambda r: -(r["tokens_per_second"] or 0)) if self.timed else (lambda r: r["memory_bytes"]["total"])
-        shown = data + sorted(composed, key=lambda r: (r["fits"] is not True, key(r)))[:SHOWN_LAYOUTS]
+
+        def best(rows, n):
+            return sorted(rows, key=lambda r: (r["fits"] is not True, key(r)))[:n]
+        shown = data + best(hsdp, SHOWN_HSDP) + best(composed, SHOWN_LAYOUTS)
         for r in shown:
             mem = r["memory_bytes"]
             step = (f"{r['step_seconds']['total']:8.2f}{r['tokens_per_second']:10,.0f}{r['mfu']:6.0%}"
                     if r["step_seconds"] else "")
-            lines.append(f"{r['strategy'][:35]:<36}" + "".join(f"{mem[k] / 1e9:7.1f}" for k in
+            lines.append(f"{r['strategy'][:47]:<48}" + "".join(f"{mem[k] / 1e9:7.1f}" for k in
                                                              ("params", "grads", "optimizer", "activations",
                                                               "buffers", "total"))
                          + f"{r['cpu_bytes'] / 1e9:7.1f}  {_FITS[r['fits']]}{step}")
-        hidden = len(composed) - (len(shown) - len(data))
+        hidden = len(composed) + len(hsdp) - (len(shown) - len(data))
         skipped = [r for r in self.rows if r["skipped"]]
         if hidden or skipped:
             lines.append(f"({hidden} more layouts priced, {len(skipped)} that cannot run skipped: Advice.rows has "
@@ -165,10 +179,26 @@ def resolve_cluster(cluster: str | hardware.Cluster | None = None, gpus: int | N
     return hardware.custom_cluster(gpus, gpu_mem_gb, **{k: v for k, v in hand.items() if v is not None})
 
 
+def hsdp_layouts(gpus: int, gpus_per_node: int) -> list[Layout]:
+    """HSDP over ``gpus`` with one node's GPUs in each shard group (FSDP's HYBRID_SHARD; the gathers never leave
+    the node): as ``fully_shard`` does it by default, with the all-reduce across replicas deferred to the step's
+    last micro-batch, and with all gradient sync deferred. None on one node (HSDP there is ZeRO-3).
+
+    Shard groups of several nodes (less memory, gathers across the network again) are left to ``layout=``: where
+    they tie with ZeRO-3 (every transfer hidden, as for GPT-175B on 768 A100s) the published-runs check
+    (tests/test_published_runs.py) needs each run's ``why_not_best`` to name HSDP as it names ZeRO-3."""
+    shard = gpus_per_node
+    if shard >= gpus or gpus % shard:
+        return []
+    return [Layout(dp=gpus, zero=3, shard=shard), Layout(dp=gpus, zero=3, shard=shard, defer_all_reduce=True),
+            Layout(dp=gpus, zero=3, shard=shard, defer_grad_sync=True)]
+
+
 def candidate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int) -> list[Layout]:
     """TP x PP x DP layouts worth pricing: TP dividing the heads and the GPUs, in groups that fill nodes evenly; PP
     dividing what is left (at most one layer per stage), DP the rest; ZeRO-1 over DP, and ZeRO-3 over DP where there
-    is no pipeline."""
+    is no pipeline; and where TP leaves room in a node and DP spans nodes, HSDP sharded over the node's TP groups
+    (the all-reduce across replicas once per step)."""
     out = []
     for tp in range(1, gpus + 1):
         if gpus % tp or shape.n_head % tp or (gpus_per_node % tp if tp <= gpus_per_node else tp % gpus_per_node):
@@ -180,6 +210,9 @@ def candidate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int) -> list[
             out.append(Layout(dp=dp, tp=tp, pp=pp, zero=1))
             if pp == 1 and dp > 1:
                 out.append(Layout(dp=dp, tp=tp, zero=3))
+                shard = gpus_per_node // tp
+                if 1 < shard < dp and dp % shard == 0:
+                    out.append(Layout(dp=dp, tp=tp, zero=3, shard=shard, defer_all_reduce=True))
     return out
 
 
@@ -196,7 +229,9 @@ def _row(num_params: float, shape: ModelShape, layout: Layout, c: hardware.Clust
          headroom: float) -> dict[str, Any]:
     row = {"strategy": layout.name, "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp,
                                                "zero": layout.zero, "virtual": layout.virtual,
-                                               "defer_grad_sync": layout.defer_grad_sync},
+                                               "defer_grad_sync": layout.defer_grad_sync,
+                                               "shard": layout.shard,
+                                               "hsdp": layout.hsdp, "defer_all_reduce": layout.defer_all_reduce},
            "offload": {"optimizer": layout.offload_optimizer, "params": layout.offload_params},
            "memory_bytes": None, "cpu_bytes": 0.0, "fits": False, "step_seconds": None, "tokens_per_second": None,
            "mfu": None, "hfu": None, "micro_batches": None, "bytes_sent": None, "skipped": None, "note": ""}
@@ -212,7 +247,8 @@ def _row(num_params: float, shape: ModelShape, layout: Layout, c: hardware.Clust
             adam = mem[where]
             mem[where] = _optimizer_bytes(adam, setup.precision, layout.zero, optimizer)
         if layout.offload_optimizer:
-            adam_cpu = formulas.model_states(num_params / (layout.tp * layout.pp), layout.dp, layout.zero).optimizer
+            adam_cpu = formulas.model_states(num_params / (layout.tp * layout.pp), layout.shard_degree,
+                                             layout.zero).optimizer
             cpu += _optimizer_bytes(adam_cpu, setup.precision, layout.zero, optimizer) - adam_cpu
         mem["total"] = sum(v for k, v in mem.items() if k != "total")
     usable = c.gpu.memory_bytes * (1 - headroom)
@@ -310,6 +346,8 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
         if g == 1:
             candidates = [Layout(zero=0), Layout(zero=2, offload_optimizer=True),
                           Layout(zero=3, offload_optimizer=True, offload_params=True)]
+        if c.nodes > 1:
+            candidates += hsdp_layouts(g, c.node.gpus)
         if layouts:
             candidates += candidate_layouts(shape, g, c.node.gpus)
     rows = [_row(num_params, shape, lay, c, setup, optimizer, headroom) for lay in candidates]

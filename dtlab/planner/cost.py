@@ -1,9 +1,10 @@
 """What a layout costs: memory per GPU, and a training step's time split into what takes it.
 
 A layout ``DP x TP x PP x CP`` (``Layout``) puts ``dp * tp * pp * cp`` GPUs to work on one model;
-``zero`` is the ZeRO stage over the DP dimension (3 is FSDP). Ranks are numbered with TP fastest,
-then CP, PP and DP (as Megatron-LM does), so a dimension's groups stay inside a node when it and the
-dimensions inside it fit in one node's GPUs.
+``zero`` is the ZeRO stage over the DP dimension (3 is FSDP), and ``shard`` splits DP into shard groups and
+their replicas (HSDP). Ranks are numbered with TP fastest, then CP, PP and DP (as Megatron-LM does; HSDP's shard
+group is DP's fastest part), so a dimension's groups stay inside a node when it and the dimensions inside it fit
+in one node's GPUs.
 
 **One step** trains on ``global_batch`` sequences: each DP replica runs ``M = global_batch / (dp * b)``
 micro-batches of ``b`` sequences, and the strategies communicate where they really do
@@ -16,6 +17,14 @@ micro-batches of ``b`` sequences, and the strategies communicate where they real
     ZeRO-3     all-gather of each layer's parameters in the forward pass and again in the backward,
     / FSDP     reduce-scatter of its gradients: every micro-batch. Deferred gradient sync (FSDP's
                set_requires_gradient_sync(False)) reduces once per step, holding whole gradients
+    HSDP       ZeRO-3 inside groups of ``shard`` DP ranks (a node's GPUs), replicated across the
+               ``dp / shard`` groups: the gathers and reduce-scatters stay in the shard group, and
+               each rank then all-reduces its 1/shard of the gradients with its replicas (the
+               ``replicate`` dimension), as often as it reduce-scatters (PyTorch's fully_shard on a
+               2-D mesh ("replicate", "shard"); FSDP1's HYBRID_SHARD; MiCS). With gradient
+               accumulation the all-reduce alone can wait for the step's last micro-batch
+               (defer_all_reduce: fully_shard's set_requires_all_reduce(False)), the gradients
+               staying sharded; deferred gradient sync defers both, holding whole gradients
     TP         4 all-reduces per layer and micro-batch (2 forward, 2 backward; 2 more when the
                forward is recomputed), on the critical path
     PP         one activation forward and one gradient backward per micro-batch and stage
@@ -87,7 +96,12 @@ class Layout:
     ZeRO-Offload to host memory. ``gathers_per_layer``: ZeRO-3 collectives per layer and pass: 1 where each
     transformer block is one unit (FSDP wrapped per block, as torchtitan and MosaicML do); DeepSpeed's ZeRO-3
     of 2021 gathered each sub-module's parameters as it ran (``PartitionedParameterCoordinator.fetch_sub_module``:
-    a GPT layer's 4 linear layers and 2 norms, 12 tensors).
+    a GPT layer's 4 linear layers and 2 norms, 12 tensors). ``shard``: HSDP, with ``zero=3``: model states
+    sharded over groups of ``shard`` consecutive DP ranks (inside a node when ``shard x tp x cp x pp`` fits one)
+    and replicated over ``dp / shard`` groups; 0 shards over all of DP (``shard=dp`` is the same thing).
+    ``defer_all_reduce``: with HSDP, reduce-scatter every micro-batch but all-reduce across replicas once per
+    step (gradients stay sharded): the second of HSDP's three ways to accumulate, beside reducing every
+    micro-batch and ``defer_grad_sync`` (PyTorch PR 126166, ``FSDPModule.set_requires_all_reduce``).
     """
 
     dp: int = 1
@@ -100,6 +114,8 @@ class Layout:
     offload_optimizer: bool = False
     offload_params: bool = False
     gathers_per_layer: int = 1
+    shard: int = 0
+    defer_all_reduce: bool = False
 
     def __post_init__(self):
         if min(self.dp, self.tp, self.pp, self.cp, self.virtual) < 1 or self.zero not in (0, 1, 2, 3):
@@ -109,6 +125,18 @@ class Layout:
         if self.defer_grad_sync and self.zero != 3:
             raise LayoutError("defer_grad_sync applies to ZeRO-3 / FSDP (stages 0-1 already reduce once per step; "
                               "DeepSpeed's stage 2 cannot defer). Fix: zero=3, or drop defer_grad_sync")
+        if self.shard:
+            if self.zero != 3:
+                raise LayoutError(f"shard={self.shard} (HSDP) shards ZeRO-3 / FSDP's model states inside a group and "
+                                  f"replicates them across groups; zero={self.zero} is not stage 3. Fix: zero=3, or "
+                                  "drop shard")
+            if self.shard < 1 or self.dp % self.shard:
+                raise LayoutError(f"shard={self.shard} does not divide dp={self.dp} into replicas. Fix: a shard "
+                                  f"degree that divides {self.dp} (e.g. the GPUs of one node)")
+        if self.defer_all_reduce and (not self.shard or self.defer_grad_sync):
+            raise LayoutError("defer_all_reduce defers HSDP's all-reduce across replicas; " + (
+                "defer_grad_sync already defers it. Fix: drop one of them" if self.shard else
+                "there is no HSDP here. Fix: zero=3 with shard=<GPUs per node>, or drop defer_all_reduce"))
         if self.virtual > 1 and self.pp == 1:
             raise LayoutError(f"virtual={self.virtual} needs a pipeline. Fix: pp >= 2, or virtual=1")
         if self.offload_optimizer and self.zero == 0:
@@ -122,12 +150,36 @@ class Layout:
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def hsdp(self) -> bool:
+        """Whether model states are replicated across shard groups (``0 < shard < dp``)."""
+        return 0 < self.shard < self.dp
+
+    @property
+    def shard_degree(self) -> int:
+        """DP ranks that share one copy of the model states: ``shard`` under HSDP, else all of DP."""
+        return self.shard if self.hsdp else self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Copies of the model states across DP (``dp / shard`` under HSDP, else 1)."""
+        return self.dp // self.shard_degree
+
+    def degree(self, dim: str) -> int:
+        """Ranks in one group of ``dim`` as ``traffic`` keys it: ``"dp"`` is the shard group under HSDP (where ZeRO's
+        gathers and reduce-scatters run), ``"replicate"`` its replicas; else a degree (``"tp"``...)."""
+        return {"dp": self.shard_degree, "replicate": self.replicas}.get(dim) or getattr(self, dim)
+
+    @property
     def name(self) -> str:
         """``"TP4 x PP2 x DP2 (ZeRO-1)"``; data parallelism alone is named by its strategy (``"ZeRO-3"``)."""
         if (self.tp, self.pp, self.cp) == (1, 1, 1):
             base = "DDP" if self.zero == 0 else f"ZeRO-{self.zero}"
+            if self.hsdp:
+                base = f"HSDP (shard {self.shard}, {self.replicas} replicas)"
             if self.defer_grad_sync:
-                base += ", gradient sync deferred"
+                base += ", sync deferred" if self.hsdp else ", gradient sync deferred"
+            if self.defer_all_reduce and self.hsdp:
+                base += ", all-reduce deferred"
             if self.offload_optimizer:
                 base += " + optimizer" + (" and parameter" if self.offload_params else "") + " offload"
             return base
@@ -136,7 +188,11 @@ class Layout:
         if self.virtual > 1:
             text += f" (v{self.virtual})"
         if self.dp > 1:
-            text += f" (ZeRO-{self.zero}" + (", sync deferred" if self.defer_grad_sync else "") + ")"
+            kind = f"HSDP shard {self.shard}" if self.hsdp else f"ZeRO-{self.zero}"
+            deferred = ", sync deferred" if self.defer_grad_sync else ""
+            if self.defer_all_reduce and self.hsdp:
+                deferred = ", all-reduce deferred"
+            text += f" ({kind}{deferred})"
         return text
 
     def __str__(self) -> str:
@@ -147,14 +203,20 @@ def spread(layout: Layout, gpus_per_node: int) -> dict[str, tuple[int, int]]:
     """For each dimension: ``(members of one group on a node, nodes a group spans)``.
 
     Ranks are numbered TP fastest, then CP, PP, DP; a group's members are ``stride`` ranks apart,
-    where ``stride`` is the product of the degrees inside it.
+    where ``stride`` is the product of the degrees inside it. Under HSDP, ``"shard"`` is DP's fastest
+    part (its shard groups) and ``"replicate"`` the rest (one member of each shard group per replica).
     """
+    def place(degree: int, stride: int) -> tuple[int, int]:
+        members = max(1, min(degree, gpus_per_node // stride)) if stride < gpus_per_node else 1
+        return members, math.ceil(degree / members)
+
     out, stride = {}, 1
     for name in ("tp", "cp", "pp", "dp"):
-        degree = getattr(layout, name)
-        members = max(1, min(degree, gpus_per_node // stride)) if stride < gpus_per_node else 1
-        out[name] = (members, math.ceil(degree / members))
-        stride *= degree
+        out[name] = place(getattr(layout, name), stride)
+        if name == "dp" and layout.hsdp:
+            out["shard"] = place(layout.shard, stride)
+            out["replicate"] = place(layout.replicas, stride * layout.shard)
+        stride *= getattr(layout, name)
     return out
 
 
@@ -285,17 +347,18 @@ def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
     (ZeRO-3's gathered layers), ``total``, and ``cpu`` (offloaded to host memory, per GPU).
 
     Model states follow ``formulas.model_states`` for this GPU's slice (``Ψ / TP`` of its pipeline
-    stage's layers; the stage with the most layers when they do not divide evenly). Activations follow
-    ``formulas.layer_activation_bytes`` divided by TP (sequence parallelism assumed); under 1F1B the first
-    stage holds ``min(M, P)`` micro-batches of ``L/P`` layers (interleaving adds ``(P-1)/(P*v)`` of
-    that); the last holds the fp32 logits (``formulas.logits_bytes``).
+    stage's layers; the stage with the most layers when they do not divide evenly), shared by the shard group
+    under HSDP, not by all of DP. Activations follow ``formulas.layer_activation_bytes`` divided by TP
+    (sequence parallelism assumed); under 1F1B the first stage holds ``min(M, P)`` micro-batches of ``L/P``
+    layers (interleaving adds ``(P-1)/(P*v)`` of that); the last holds the fp32 logits
+    (``formulas.logits_bytes``).
     """
     m = micro_batches if micro_batches is not None else max(1, setup.global_batch // (layout.dp * setup.micro_batch))
     precision = "fp32" if setup.precision == "fp32" else "mixed"
     share = math.ceil(shape.n_layer / layout.pp) / shape.n_layer
     slice_params = num_params * share / layout.tp
-    states = formulas.model_states(slice_params, layout.dp, layout.zero, precision, layout.offload_optimizer,
-                                   layout.offload_params)
+    states = formulas.model_states(slice_params, layout.shard_degree, layout.zero, precision,
+                                   layout.offload_optimizer, layout.offload_params)
     grads = states.grads
     if layout.defer_grad_sync:                      # whole gradients until the step's last micro-batch
         grads = setup.value_bytes * slice_params
@@ -334,7 +397,8 @@ def traffic(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
     """Bytes per GPU per step of each collective, by dimension: ``{"dp": {"all_reduce": ..., ...}, ...}``.
 
     Sizes are per rank as nccl-tests counts them (the all-reduce's tensor, the all-gather's output, the
-    reduce-scatter's input); ``bytes_sent`` multiplies by ``ring_factor``.
+    reduce-scatter's input); ``bytes_sent`` multiplies by ``ring_factor``. Under HSDP ``"dp"`` holds what runs in
+    the shard group, and ``"replicate"`` the all-reduce of this rank's 1/shard of the gradients across replicas.
     """
     m, vb, b = micro_batches, setup.value_bytes, setup.micro_batch
     share = math.ceil(shape.n_layer / layout.pp) / shape.n_layer
@@ -349,6 +413,9 @@ def traffic(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
         else:
             out["dp"]["all_gather"] = 2 * m * tensor
             out["dp"]["reduce_scatter"] = tensor * (1 if layout.defer_grad_sync else m)
+            if layout.hsdp:
+                syncs = 1 if layout.defer_grad_sync or layout.defer_all_reduce else m
+                out["replicate"] = {"all_reduce": syncs * tensor / layout.shard}
     layers = math.ceil(shape.n_layer / layout.pp)
     tokens = b * setup.seq_len // layout.cp
     if layout.tp > 1:
@@ -365,7 +432,7 @@ def traffic(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
 
 def bytes_sent(traffic_: dict[str, dict[str, float]], layout: Layout) -> dict[str, float]:
     """Bytes each GPU sends per step, by dimension (ring factors applied)."""
-    return {dim: sum((ring_factor(getattr(layout, dim), op) if op != "send" else 1.0) * n for op, n in ops.items())
+    return {dim: sum((ring_factor(layout.degree(dim), op) if op != "send" else 1.0) * n for op, n in ops.items())
             for dim, ops in traffic_.items()}
 
 
@@ -377,8 +444,9 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
     ``1 - headroom`` of the GPU and of the host memory per GPU), ``inside_node``, ``bytes_sent``
     (per GPU, by dimension), ``seconds`` (``compute``, ``recompute`` (part of compute), ``comm_exposed``,
     ``comm_hidden``, ``bubble``, ``offload``, ``total``, and ``by_dimension``: exposed seconds per
-    dimension), ``tokens_per_second``, ``mfu`` and ``hfu``. Where the cluster's speeds are not known
-    (``can_time``), the clock's entries are None and only memory is computed.
+    dimension, ``dp`` with HSDP's all-reduce across replicas), ``tokens_per_second``, ``mfu`` and ``hfu``.
+    Where the cluster's speeds are not known (``can_time``), the clock's entries are None and only memory is
+    computed.
 
     Raises:
         LayoutError: when the layout cannot run (GPUs, batch, heads, layers or sequence do not divide);
@@ -436,19 +504,22 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
             dp_exposed = rs_calls * max(0.0, rs - bwd) + max(0.0, ag - fwd)
         else:
             units = layers * layout.gathers_per_layer                        # collectives per pass over the layers
-            ag = coll("dp", "all_gather", one["all_gather"] / (2 * m), units)
-            rs = coll("dp", "reduce_scatter", one["reduce_scatter"] / (1 if layout.defer_grad_sync else m), units)
-            if layout.defer_grad_sync:
-                forward_exp = max(0.0, ag - fwd) + ag / layers
-                backward_exp = max(0.0, ag - bwd)
-                last = max(0.0, ag + rs - bwd) + rs / layers
-                dp_exposed = m * forward_exp + (m - 1) * backward_exp + last
-                dp_total = 2 * m * ag + rs
-            else:
-                forward_exp = max(0.0, ag - fwd) + ag / layers
-                backward_exp = max(0.0, ag + rs - bwd) + rs / layers
-                dp_exposed = m * (forward_exp + backward_exp)
-                dp_total = m * (2 * ag + rs)
+            group = "shard" if layout.hsdp else "dp"
+            ag = coll(group, "all_gather", one["all_gather"] / (2 * m), units)
+            rs = coll(group, "reduce_scatter", one["reduce_scatter"] / (1 if layout.defer_grad_sync else m), units)
+            ar = 0.0
+            if layout.hsdp:     # each unit's gradient shard all-reduced across replicas after its reduce-scatter
+                syncs = 1 if layout.defer_grad_sync or layout.defer_all_reduce else m
+                ar = coll("replicate", "all_reduce", flows["replicate"]["all_reduce"] / syncs, units)
+            # what each micro-batch's backward reduces: the last one everything; the others what is not deferred
+            early = 0.0 if layout.defer_grad_sync else rs + (0.0 if layout.defer_all_reduce else ar)
+            last = rs + ar
+
+            def backward_exp(reduce: float) -> float:   # the reduce of the last unit has no backward left to hide it
+                return max(0.0, ag + reduce - bwd) + reduce / layers
+            forward_exp = max(0.0, ag - fwd) + ag / layers
+            dp_exposed = m * forward_exp + (m - 1) * backward_exp(early) + backward_exp(last)
+            dp_total = 2 * m * ag + (m - 1) * early + last
     tp_calls = m * math.ceil(shape.n_layer / layout.pp) * (4 + (2 if setup.recompute == "full" else 0))
     tp_s = coll("tp", "all_reduce", flows["tp"].get("all_reduce", 0.0), tp_calls)
     cp_s = 0.0
@@ -462,7 +533,7 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
 
     offload = 0.0
     if layout.offload_optimizer:   # gradients down, updated 16-bit parameters up, and Adam on the CPU
-        shard = num_params / (layout.tp * layout.pp * layout.dp)
+        shard = num_params / (layout.tp * layout.pp * layout.shard_degree)
         offload = (2 * setup.value_bytes * shard) / (PCIE_GBS * 1e9) + shard / CPU_ADAM_PARAMS_PER_S
         if layout.offload_params:  # this GPU's parameter shard comes up for every forward and backward
             offload += m * 2 * setup.value_bytes * shard / (PCIE_GBS * 1e9)
