@@ -164,6 +164,11 @@ def test_dtlab_advise_table_and_bad_input(capsys):
     assert "--mfu is now --efficiency" in capsys.readouterr().err
     assert cli.main(["advise", "--params", "7e9", "--cluster", "g5.12xlarge x4", "--layout", "dp=2,tp=4"]) == 2
     assert "product is 16" in capsys.readouterr().err
+    g5 = ["advise", "--params", "1.3e9", "--cluster", "g5.12xlarge x4", "--layout"]
+    assert cli.main([*g5, "dp=16,zero=3,shard=4"]) == 0
+    assert "HSDP (shard 4, 4 replicas)" in capsys.readouterr().out
+    assert cli.main([*g5, "dp=16,zero=1,shard=4"]) == 2
+    assert "zero=1 is not stage 3" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["advise", "--params", "-1"])
     assert "out of range" in capsys.readouterr().err

@@ -53,8 +53,9 @@ def _parse_layout(text: str) -> dict:
     for part in text.split(","):
         key, _, value = part.partition("=")
         key, value = key.strip(), value.strip()
-        if key not in ("dp", "tp", "pp", "cp", "zero", "virtual") or not value.isdigit():
-            raise ValueError(f"--layout {text!r}: write it as dp=4,tp=4,pp=1 (keys dp, tp, pp, cp, zero, virtual)")
+        if key not in ("dp", "tp", "pp", "cp", "zero", "virtual", "shard") or not value.isdigit():
+            raise ValueError(f"--layout {text!r}: write it as dp=4,tp=4,pp=1 (keys dp, tp, pp, cp, zero, virtual, "
+                             "shard: HSDP's shard group, with zero=3)")
         layout[key] = int(value)
     return layout
 
@@ -140,7 +141,8 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
                      f"fitted to published runs, {', '.join(f'{k} {v}' for k, v in cost.EFFICIENCY.items())}, other "
                      f"GPUs {cost.DEFAULT_EFFICIENCY}); MFU is reported, not assumed")
     adv.add_argument("--mfu", type=float, default=None, help=argparse.SUPPRESS)
-    adv.add_argument("--layout", default=None, help="price one layout only, e.g. dp=4,tp=4,pp=1,zero=1")
+    adv.add_argument("--layout", default=None, help="price one layout only, e.g. dp=4,tp=4,pp=1,zero=1 "
+                                                    "(HSDP: dp=16,zero=3,shard=4)")
     adv.add_argument("--data-parallel-only", action="store_true", help="leave out TP x PP x DP layouts")
     adv.add_argument("--json", action="store_true", help="print everything as JSON (bytes, seconds)")
     return adv
