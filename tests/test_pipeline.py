@@ -118,6 +118,7 @@ def test_interleaved_pipeline_equals_the_unsplit_model(world, micro_batches, chu
     assert results[-1]["losses"] == pytest.approx(results[-1]["micro_ref"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_interleaving_measures_a_smaller_bubble_than_plain_1f1b():
     """Stage work made of sleeps, P = 2, M = 4: measured idle against the formula. Each step carries some 20-30 ms
     of sends, barrier skew and late wake-ups the formula does not count: 50 ms of work per micro-batch keeps that
@@ -191,6 +192,42 @@ def test_interleaving_refuses_micro_batches_that_are_not_a_multiple_of_the_ranks
     with pytest.raises(ValueError, match="M = 5 is not a multiple of 2.*Fix: M = 4"):
         pp.interleaved_one_f_one_b(5, 2, 0, chunks=2)
     assert pp.interleaved_one_f_one_b(5, 2, 0, chunks=1) == [(k, m, 0) for k, m in pp.one_f_one_b(5, 2, 0)]
+
+
+def torch_interleaved_worker(micro_batches: int, chunks: int) -> float:
+    """torch's ScheduleInterleaved1F1B, rank r holding stages r, r+P, ...: its gradients against one process's."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g, batch = torch.Generator().manual_seed(1), 2 * micro_batches
+    x, y = torch.randn(batch, WIDTH, generator=g), torch.randint(0, 5, (batch,), generator=g)
+    reference = make_deep_model(chunks * world)
+    F.cross_entropy(reference(x), y).backward()
+    ref_pieces = pp.split_model(reference, chunks * world)[rank::world]
+    pieces = pp.split_model(make_deep_model(chunks * world), chunks * world)[rank::world]
+    stages = [PipelineStage(piece, c * world + rank, chunks * world, "cpu") for c, piece in enumerate(pieces)]
+    schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=F.cross_entropy)
+    if rank == 0:
+        schedule.step(x)
+    elif rank == world - 1:
+        schedule.step(target=y)
+    else:
+        schedule.step()
+    pairs = list(zip([p for piece in pieces for p in piece.parameters()],
+                     [p for piece in ref_pieces for p in piece.parameters()], strict=True))
+    dist.destroy_process_group()
+    return max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() for p, q in pairs)
+
+
+@pytest.mark.slow
+def test_torch_interleaved_schedule_equals_the_unsplit_model():
+    from dtlab.parallel import pipelining
+
+    if pipelining.problem("gloo"):
+        pytest.skip(pipelining.problem("gloo"))
+    assert max(run(torch_interleaved_worker, 4, 2, nprocs=2, timeout=120)) <= 1e-5
 
 
 def test_a_loss_not_averaged_over_micro_batches_gives_m_times_the_gradient():
