@@ -8,12 +8,23 @@ torch 2.3, without the package.
 
 * ``AVAILABLE`` — this torch has ``torch.distributed.pipelining``;
 * ``problem(backend)`` — why it cannot run here with ``backend`` (``""`` when it can);
-* ``require(backend)`` — raise ``RuntimeError`` with that reason and the fix.
+* ``require(backend)`` — raise ``RuntimeError`` with that reason and the fix;
+* ``Work(seconds)`` — an identity layer that costs ``seconds`` forward and twice that backward, so a
+  schedule's timeline on a noisy CPU is the schedule's, not the machine's;
+* ``record_actions(stage, events)`` — time each micro-batch's forward and backward of a
+  ``torch.distributed.pipelining.PipelineStage`` (what ``dtlab.parallel.pipeline.idle_fraction`` and
+  ``plot_timeline`` read, once wrapped in a ``StepResult``).
+
+The interleaved schedule (``ScheduleInterleaved1F1B``: several stages per rank) needs what the others
+need: ``problem(backend)`` is its guard too (checked here on torch 2.13; not run on 2.8-2.12).
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
+from torch import nn
 
 from dtlab._compat import _version
 
@@ -44,3 +55,53 @@ def require(backend: str) -> None:
     reason = problem(backend)
     if reason:
         raise RuntimeError(reason)
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class Work(nn.Module):
+    """An identity layer costing ``seconds`` in forward and twice that in backward (sleeps; 0: free).
+
+    Put it after a stage's last layer (its input must require grad for the backward cost to run).
+    ``seconds`` can be changed between steps, e.g. 0 for a warm-up step.
+    """
+
+    def __init__(self, seconds: float = 0.0):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.seconds) if self.seconds else x
+
+
+def record_actions(stage, events: list, clock=time.perf_counter) -> None:
+    """Append (kind, micro-batch, start, end, chunk) to ``events`` for each forward ("F") and backward ("B")
+    that ``stage`` (a ``torch.distributed.pipelining.PipelineStage``) computes; chunk is its stage index // ranks.
+
+    Every schedule computes a micro-batch by calling the stage's ``forward_one_chunk`` and
+    ``backward_one_chunk``; they are wrapped on this one stage object (times: ``clock()``, the
+    caller's to subtract from). Sends and receives are separate calls, so they count as idle.
+    """
+    chunk = stage.stage_index // stage.group_size
+
+    def timed(kind, method):
+        def call(micro_batch, *args, **kwargs):
+            start = clock()
+            out = method(micro_batch, *args, **kwargs)
+            events.append((kind, micro_batch, start, clock(), chunk))
+            return out
+        return call
+
+    stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
+    stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
