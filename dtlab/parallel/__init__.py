@@ -11,7 +11,7 @@ their lessons measure:
     dtlab.parallel.zero           ZeRO-1: optimizer state sharded over ranks; what a DeepSpeed rank holds
     dtlab.parallel.fsdp           FSDP (ZeRO-3): weights sharded, gathered per layer, gradients reduce-scattered
     dtlab.parallel.tensor         tensor parallelism: column/row-parallel layers, heads and vocabulary split
-    dtlab.parallel.pipeline       pipeline parallelism: stages over ranks, GPipe and 1F1B schedules
+    dtlab.parallel.pipeline       pipeline parallelism: stages over ranks, GPipe, 1F1B and interleaved 1F1B
     dtlab.parallel.context        context parallelism: ring attention over a sequence split across ranks
     dtlab.parallel.ulysses        Ulysses sequence parallelism: heads and sequence swapped by all-to-all
     dtlab.parallel.expert         expert parallelism: a mixture-of-experts layer, experts spread over ranks
