@@ -72,8 +72,9 @@ def test_pipeline_equals_the_unsplit_model(schedule, world, micro_batches):
     assert last["losses"] == pytest.approx(last["micro_ref"], rel=1e-6)
 
 
-def interleaved_worker(micro_batches: int, chunks: int, work_s: float = 0.0) -> dict:
-    """Rank r holds chunks r, r+P, ... of the model cut into v·P pieces; its gradients against one process's."""
+def interleaved_setup(micro_batches: int, chunks: int):
+    """Join the process group; the batch, the unsplit model with its gradients, and this rank's chunks r, r+P, ...
+    of it and of a fresh copy (the model cut into v·P pieces)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -83,8 +84,15 @@ def interleaved_worker(micro_batches: int, chunks: int, work_s: float = 0.0) -> 
     reference = make_deep_model(chunks * world)
     F.cross_entropy(reference(x), y).backward()
     ref_pieces = pp.split_model(reference, chunks * world)[rank::world]
-
     pieces = pp.split_model(make_deep_model(chunks * world), chunks * world)[rank::world]
+    return x, y, reference, ref_pieces, pieces, rank, world
+
+
+def interleaved_worker(micro_batches: int, chunks: int, work_s: float = 0.0) -> dict:
+    """Rank r holds chunks r, r+P, ... of the model cut into v·P pieces; its gradients against one process's."""
+    import torch.distributed as dist
+
+    x, y, reference, ref_pieces, pieces, rank, world = interleaved_setup(micro_batches, chunks)
     stage = pp.PipelineStage(pieces, rank, world, work_s=work_s)
     stage.check_shapes((2, WIDTH))
     schedule = pp.interleaved_one_f_one_b(micro_batches, world, rank, chunks)
@@ -199,14 +207,7 @@ def torch_interleaved_worker(micro_batches: int, chunks: int) -> float:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    g, batch = torch.Generator().manual_seed(1), 2 * micro_batches
-    x, y = torch.randn(batch, WIDTH, generator=g), torch.randint(0, 5, (batch,), generator=g)
-    reference = make_deep_model(chunks * world)
-    F.cross_entropy(reference(x), y).backward()
-    ref_pieces = pp.split_model(reference, chunks * world)[rank::world]
-    pieces = pp.split_model(make_deep_model(chunks * world), chunks * world)[rank::world]
+    x, y, _, ref_pieces, pieces, rank, world = interleaved_setup(micro_batches, chunks)
     stages = [PipelineStage(piece, c * world + rank, chunks * world, "cpu") for c, piece in enumerate(pieces)]
     schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=F.cross_entropy)
     if rank == 0:
