@@ -186,22 +186,29 @@ _KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "_all
          "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "broadcast_": "broadcast"}
 
 
-def collective_calls(work) -> dict[str, int]:
+def collective_calls(work, groups: dict | None = None) -> dict:
     """The collectives ``work()`` calls on this rank, by kind (``all_reduce``, ``all_gather``, ``reduce_scatter``,
     ``all_to_all``, ``broadcast``; others by their c10d name).
 
     Counted where torch dispatches them (its ``torch.ops.c10d`` operators), so it sees what any library issues
-    through ``torch.distributed``: DDP's buckets, DeepSpeed's coalesced gathers, FSDP2's groups.
+    through ``torch.distributed``: DDP's buckets, DeepSpeed's coalesced gathers, FSDP2's groups. With ``groups``
+    (``{name: ProcessGroup}``, e.g. a mesh's dimensions) the keys are ``(kind, name)``: which group each ran on
+    (``"world"`` for any other).
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    counts: dict[str, int] = {}
+    counts: dict = {}
+    names = {g.group_name: name for name, g in (groups or {}).items()}
 
     class Counting(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace == "c10d":
                 name = func.__name__.split(".")[0]
-                counts[_KIND.get(name, name)] = counts.get(_KIND.get(name, name), 0) + 1
+                key = _KIND.get(name, name)
+                if groups is not None:
+                    pg = next(a for a in args if isinstance(a, torch.ScriptObject))
+                    key = (key, names.get(dist.ProcessGroup.unbox(pg).group_name, "world"))
+                counts[key] = counts.get(key, 0) + 1
             return func(*args, **(kwargs or {}))
 
     with Counting():
@@ -210,8 +217,9 @@ def collective_calls(work) -> dict[str, int]:
 
 
 def collective_costs(device: torch.device | str, backend: str, ops: tuple[str, ...] = ("all_reduce", "all_gather",
-                     "reduce_scatter"), reps: int = 5) -> dict[str, dict[str, dict[str, float]]]:
-    """Weigh and time each collective of ``ops`` on the current process group at a small and a large size.
+                     "reduce_scatter"), reps: int = 5, group=None) -> dict[str, dict[str, dict[str, float]]]:
+    """Weigh and time each collective of ``ops`` on ``group`` (the whole job by default; every rank calls it, each
+    with its own group of a mesh dimension) at a small and a large size.
 
     Returns ``{"wire": {op: {"per_call", "per_element"}}, "time": {op: {"per_call", "per_element"}}}``: loopback
     bytes (empty off gloo) and seconds, per call and per element of the full tensor (the all-reduce's, the
@@ -220,14 +228,14 @@ def collective_costs(device: torch.device | str, backend: str, ops: tuple[str, .
     """
     from dtlab.distributed import all_gather_single, reduce_scatter_single
 
-    device, world = torch.device(device), dist.get_world_size()
-    calls = {"all_reduce": lambda n: dist.all_reduce(torch.ones(n, device=device)),
+    device, world = torch.device(device), dist.get_world_size(group)
+    calls = {"all_reduce": lambda n: dist.all_reduce(torch.ones(n, device=device), group=group),
              "all_gather": lambda n: all_gather_single(torch.empty(n, device=device),
-                                                       torch.ones(n // world, device=device)),
+                                                       torch.ones(n // world, device=device), group=group),
              "reduce_scatter": lambda n: reduce_scatter_single(torch.empty(n // world, device=device),
-                                                               torch.ones(n, device=device)),
+                                                               torch.ones(n, device=device), group=group),
              "all_to_all": lambda n: dist.all_to_all_single(torch.empty(n, device=device),
-                                                            torch.ones(n, device=device))}
+                                                            torch.ones(n, device=device), group=group)}
     small, large = 96 * world, 65536 * world
     empty = loopback_during(lambda: None, backend)
     out: dict[str, dict[str, dict[str, float]]] = {"wire": {}, "time": {}}

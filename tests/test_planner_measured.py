@@ -90,18 +90,16 @@ HSDP_CFG = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab": 32, "block": 8, "b
 
 def _hsdp_worker(cfg):
     """Per variant and M: the loopback bytes of one optimizer step, and its collectives by kind and mesh dimension;
-    beside them each collective weighed on the group HSDP runs it on (every such group at once), per call and per
-    element, as dtlab.bandwidth.collective_costs weighs the whole world."""
+    beside them each collective weighed (dtlab.bandwidth.collective_costs) on the group HSDP runs it on (every such
+    group at once), per call and per element."""
     import warnings
 
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    from dtlab.bandwidth import _KIND, loopback_during
-    from dtlab.distributed import all_gather_single, reduce_scatter_single
+    from dtlab.bandwidth import collective_calls, collective_costs, loopback_during
     from dtlab.parallel.fsdp2 import held_elements
     from dtlab.parallel.side_by_side import accumulating, make_model
 
@@ -109,41 +107,14 @@ def _hsdp_worker(cfg):
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", cfg["mesh"], mesh_dim_names=("replicate", "shard"))
     groups = {dim: mesh.get_group(dim) for dim in ("replicate", "shard")}
-    names = {g.group_name: dim for dim, g in groups.items()}
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = cfg["batch"] // world
     x = torch.randint(0, cfg["vocab"], (max(cfg["micro_batches"]), cfg["batch"], cfg["block"]),
                       generator=torch.Generator().manual_seed(1))[:, rank * per_rank:(rank + 1) * per_rank]
 
     empty = loopback_during(lambda: None, "gloo")
-    shard = groups["shard"].size()
-    calls = {("all_gather", "shard"): lambda n: all_gather_single(torch.empty(n), torch.ones(n // shard),
-                                                                   group=groups["shard"]),
-             ("reduce_scatter", "shard"): lambda n: reduce_scatter_single(torch.empty(n // shard), torch.ones(n),
-                                                                          group=groups["shard"]),
-             ("all_reduce", "replicate"): lambda n: dist.all_reduce(torch.ones(n), group=groups["replicate"])}
-    wire_cost = {}
-    for (op, dim), call in calls.items():
-        small, large, reps = 96 * shard, 65536 * shard, 5
-        at = {n: (loopback_during(lambda c=call, n=n, r=reps: [c(n) for _ in range(r)], "gloo") - empty) / reps
-              for n in (small, large)}
-        per = (at[large] - at[small]) / (large - small)
-        wire_cost[op] = {"dim": dim, "per_element": per, "per_call": max(0.0, at[small] - per * small)}
-
-    def counted(work):
-        counts = {}
-
-        class Counting(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.namespace == "c10d":
-                    pg = next(a for a in args if isinstance(a, torch.ScriptObject))
-                    name = func.__name__.split(".")[0]
-                    key = (_KIND.get(name, name), names.get(dist.ProcessGroup.unbox(pg).group_name, "world"))
-                    counts[key] = counts.get(key, 0) + 1
-                return func(*args, **(kwargs or {}))
-        with Counting():
-            work()
-        return counts
+    wire_cost = {**collective_costs("cpu", "gloo", ("all_gather", "reduce_scatter"), group=groups["shard"])["wire"],
+                 **collective_costs("cpu", "gloo", ("all_reduce",), group=groups["replicate"])["wire"]}
 
     out = {"wire_cost": wire_cost, "results": {}}
     for variant in cfg["variants"]:
@@ -162,7 +133,8 @@ def _hsdp_worker(cfg):
                 model(x[i], x[i])[1].backward()
             step = accumulating(opt, m, micro)
             step()
-            out["results"].setdefault(variant, {})[m] = {"calls": counted(step), "held": held_elements(model, opt),
+            out["results"].setdefault(variant, {})[m] = {"calls": collective_calls(step, groups),
+                                                         "held": held_elements(model, opt),
                                                          "wire": loopback_during(step, "gloo") - empty}
     dist.destroy_process_group()
     return out
