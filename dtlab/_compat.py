@@ -198,8 +198,23 @@ def deepspeed_shm_buffers(addr: str, port: str | int, ranks: Iterable[int]) -> l
 
 
 def leftover_deepspeed_shm() -> set[Path]:
-    """Every DeepSpeed all-reduce buffer now in /dev/shm (tests check that none outlives them)."""
-    return set(SHM_FOLDER.glob("deepspeed_allreduce_buffer_*")) if SHM_FOLDER.is_dir() else set()
+    """The DeepSpeed all-reduce buffers in /dev/shm that no running process has mapped: what finished jobs
+    left behind (tests check that none outlives them; a job still running, as in another test run beside
+    this one, maps its own and is not counted)."""
+    found = set(SHM_FOLDER.glob("deepspeed_allreduce_buffer_*")) if SHM_FOLDER.is_dir() else set()
+    return {path for path in found if path.name not in _mapped_deepspeed_shm()} if found else found
+
+
+def _mapped_deepspeed_shm() -> set[str]:
+    """Names of the DeepSpeed buffers some live process maps, from /proc/<pid>/maps (empty off Linux)."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            with open(maps) as lines:
+                names.update(line.rsplit("/", 1)[-1].strip() for line in lines if "deepspeed_allreduce_buffer_" in line)
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return names
 
 
 def remove_deepspeed_shm(addr: str, port: str | int, ranks: Iterable[int]) -> int:

@@ -85,3 +85,19 @@ def test_import_dtlab_loads_neither_torch_nor_deepspeed():
                           "print('torch' in sys.modules, 'deepspeed' in sys.modules)"],
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
+
+
+def test_a_deepspeed_buffer_counts_as_left_over_only_once_no_process_maps_it():
+    # Tests run two at a time (make test): one test's check must not take another's running job for a leak.
+    import mmap
+
+    from dtlab import _compat
+
+    path = _compat.SHM_FOLDER / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_test{os.getpid()}_0"
+    path.write_bytes(b"\0" * mmap.PAGESIZE)
+    try:
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), mmap.PAGESIZE):
+            assert path not in _compat.leftover_deepspeed_shm()
+        assert path in _compat.leftover_deepspeed_shm()
+    finally:
+        path.unlink()
