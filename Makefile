@@ -25,8 +25,12 @@ course: setup
 site: setup
 	$(VENV)/bin/dtlab site $(RUN)
 
+# The unit tests run two at a time: most of their time is spent waiting for processes, Spark, servers and a
+# browser to start (one at a time they kept the 2 cores busy a quarter of the time: 375 s of CPU in 712 s).
+# Then the notebooks, one at a time: their claims include timings a test running beside them would disturb.
+# (scripts/test_phases.sh; TEST_WORKERS=0 runs everything one at a time.)
 test: setup
-	$(PY) -m pytest --ignore=tests/runtime $(PYTEST_ARGS)
+	@bash scripts/test_phases.sh $(PY) "not notebook" "notebook" --ignore=tests/runtime $(PYTEST_ARGS)
 
 # The inner loop: unit tests without notebooks or slow ones (markers in pyproject.toml), under 3 minutes warm.
 test-quick: setup
@@ -37,7 +41,7 @@ setup-runtime:
 
 test-runtime: export PYSPARK_PYTHON := $(abspath $(RPY))
 test-runtime: setup-runtime
-	$(RPY) -m pytest tests -m "runtime or cluster" $(PYTEST_ARGS)
+	@bash scripts/test_phases.sh $(RPY) "cluster and not runtime" "runtime" tests $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
