@@ -26,7 +26,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing requirements.txt and dtlab into $VENV (first time: a few minutes)"
   t=$SECONDS
   pip_q install --upgrade pip
-  pip_q install -r requirements.txt
+  install_requirements requirements.txt
   pip_q install --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
   say "packages installed in $((SECONDS - t)) s"

@@ -37,7 +37,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing $REQUIREMENTS and dtlab into $VENV (first time: about 4 minutes, 6.4 GB with torch's CUDA libraries)"
   t=$SECONDS
   pip_q install --upgrade pip
-  pip_q install -r "$REQUIREMENTS"
+  install_requirements "$REQUIREMENTS"
   # (setuptools 68, the runtime's, warns about pyproject.toml support at every editable install)
   PYTHONWARNINGS=ignore pip_q install --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
