@@ -27,22 +27,24 @@ site: setup
 
 # The unit tests run two at a time: most of their time is spent waiting for processes, Spark, servers and a
 # browser to start (one at a time they kept the 2 cores busy a quarter of the time: 375 s of CPU in 712 s).
-# Then the notebooks, one at a time: their claims include timings a test running beside them would disturb.
+# Then the notebooks, one at a time: their claims include timings a test running beside them would disturb;
+# with them the tests marked `alone`, which read the machine's loopback byte counter (another test adds to it).
 # (scripts/test_phases.sh; TEST_WORKERS=0 runs everything one at a time.)
 test: setup
-	@bash scripts/test_phases.sh $(PY) "not notebook" "notebook" --ignore=tests/runtime $(PYTEST_ARGS)
+	@bash scripts/test_phases.sh $(PY) "not notebook and not alone" "notebook or alone" --ignore=tests/runtime $(PYTEST_ARGS)
 
 # The inner loop: unit tests without notebooks or slow ones (markers in pyproject.toml), under 3 minutes warm;
 # two at a time like make test's first phase (2 min 15 s against 2 min 45 s one at a time; 4 at a time: 2 min 28 s).
 test-quick: setup
-	$(PY) -m pytest --ignore=tests/runtime -m "not notebook and not slow" -q -n $${TEST_WORKERS:-2} --dist loadfile $(PYTEST_ARGS)
+	@bash scripts/test_phases.sh $(PY) "not notebook and not slow and not alone" "alone and not notebook and not slow" \
+	  --ignore=tests/runtime -q $(PYTEST_ARGS)
 
 setup-runtime:
 	@bash scripts/setup_runtime.sh
 
 test-runtime: export PYSPARK_PYTHON := $(abspath $(RPY))
 test-runtime: setup-runtime
-	@bash scripts/test_phases.sh $(RPY) "cluster and not runtime" "runtime" tests $(PYTEST_ARGS)
+	@bash scripts/test_phases.sh $(RPY) "cluster and not runtime and not alone" "runtime or (cluster and alone)" tests $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -11,7 +11,8 @@ from dtlab.bandwidth import loopback_bytes
 from dtlab.launch import run
 from dtlab.parallel import side_by_side
 
-pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+pytestmark = [pytest.mark.cluster,  # code a cluster runs: make test-runtime repeats these on its stack
+              pytest.mark.alone]   # bytes on the loopback interface: the machine's, not this test's
 
 
 CFG = {"backend": "gloo", "device": "cpu", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab": 32, "block": 8,

@@ -85,3 +85,13 @@ def test_a_missing_dtlab_is_named_with_the_fix(path, monkeypatch):
     monkeypatch.setitem(sys.modules, "dtlab.notebook", None)     # `from dtlab.notebook import ...` fails
     with pytest.raises(ModuleNotFoundError, match="dtlab is not installed.*Fix: `make setup`.*Run on Databricks"):
         exec("".join(params["source"]), {})
+
+
+def test_tests_that_read_the_loopback_counter_are_marked_alone():
+    """The loopback interface's byte counter is the machine's: a test reading it must not run beside another
+    (make test's phases run tests marked `alone` one at a time)."""
+    names = ("loopback_during", "loopback_bytes", "side_by_side")
+    readers = [p for p in sorted((ROOT / "tests").glob("test_*.py"))
+               if p.name != Path(__file__).name and any(name in p.read_text() for name in names)]
+    assert readers, "no test reads the loopback counter any more: drop the marker and this test"
+    assert [p.name for p in readers if "pytest.mark.alone" not in p.read_text()] == []

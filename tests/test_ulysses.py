@@ -102,6 +102,7 @@ def wire(cfg):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # bytes on the loopback interface: the machine's, not this test's
 def test_bytes_on_the_wire_are_each_formula():
     cfg = dict(batch=2, seq=1024, heads=4, kv_heads=4, head_dim=16)
     n = 2
