@@ -12,6 +12,7 @@ pytestmark = pytest.mark.slow  # every test here starts a cluster, a browser, a 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.alone  # with anything to do, the set-up reinstalls into the venv the other tests run from
 def test_second_setup_builds_nothing():
     venv = Path(sys.prefix)
     result = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, capture_output=True, text=True,
