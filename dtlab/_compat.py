@@ -202,7 +202,10 @@ def leftover_deepspeed_shm() -> set[Path]:
     left behind (tests check that none outlives them; a job still running, as in another test run beside
     this one, maps its own and is not counted)."""
     found = set(SHM_FOLDER.glob("deepspeed_allreduce_buffer_*")) if SHM_FOLDER.is_dir() else set()
-    return {path for path in found if path.name not in _mapped_deepspeed_shm()} if found else found
+    if not found:
+        return found
+    mapped = _mapped_deepspeed_shm()  # one pass over /proc, not one per buffer
+    return {path for path in found if path.name not in mapped}
 
 
 def _mapped_deepspeed_shm() -> set[str]:
