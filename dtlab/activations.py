@@ -110,8 +110,10 @@ def memory_after_each(phases: Iterable[Callable[[], object]], device: torch.devi
 
     For what a step holds *between* its parts: after a forward (activations), after each micro-batch of a
     gradient-accumulation step (gradients and gathered weights kept for the next one). The allocator's own
-    record: ``torch.cuda.memory_allocated``/``max_memory_allocated`` on a GPU; on a CPU the profiler's record of
-    every allocation and free (``profile_memory``), added up in time order.
+    count: ``torch.cuda.memory_allocated``/``max_memory_allocated`` on a GPU; on a CPU the CPU allocator's
+    running total of every byte it handed out and got back, read through the profiler's memory events
+    (``profile_memory``). Tensors made before the call and freed during it are not seen (the count starts at
+    the call).
     """
     phases = list(phases)
     device = torch.device(device)
@@ -127,16 +129,22 @@ def memory_after_each(phases: Iterable[Callable[[], object]], device: torch.devi
         return PhaseMemory(after=after, peak=int(torch.cuda.max_memory_allocated(device) - start))
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    def probe(name: str) -> None:              # one byte in and out: a reading of the running total
+        with record_function(name):
+            torch.empty(1, dtype=torch.uint8)
+
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _native_stderr_muted():                 # Kineto prints a line at every start and stop
-        prof.start()
-    try:
-        for i, phase in enumerate(phases):
-            with record_function(f"dtlab.phase{i}"):
+    with _cpu_allocator_counting_every_thread() as counting:
+        with _native_stderr_muted():           # Kineto prints a line at every start and stop
+            prof.start()
+        try:
+            probe("dtlab.probe.start")
+            for i, phase in enumerate(phases):
                 phase()
-    finally:
-        with _native_stderr_muted():
-            prof.stop()
+                probe(f"dtlab.probe{i}")
+        finally:
+            with _native_stderr_muted():
+                prof.stop()
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -145,18 +153,68 @@ def memory_after_each(phases: Iterable[Callable[[], object]], device: torch.devi
             events = json.load(f)["traceEvents"]
     finally:
         os.unlink(path)
-    ends = sorted(e["ts"] + e["dur"] for e in events if e.get("name", "").startswith("dtlab.phase") and "dur" in e)
-    memory = sorted((e["ts"], e["args"]["Bytes"]) for e in events
+    memory = sorted((e["ts"], e["args"]["Bytes"], e["args"].get("Total Allocated")) for e in events
                     if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0)
+    probes = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events
+              if e.get("name", "").startswith("dtlab.probe") and "dur" in e}
+    names = ["dtlab.probe.start"] + [f"dtlab.probe{i}" for i in range(len(phases))]
+    if counting and all(total is not None for _, _, total in memory):
+        # The total after each probe's byte came back: what every thread holds at that moment.
+        def reading(name: str) -> int:
+            begin, end = probes[name]
+            return next(total for ts, change, total in reversed(memory) if begin <= ts <= end and change < 0)
+
+        base = reading(names[0])
+        window = [total for ts, _, total in memory if probes[names[0]][0] <= ts <= probes[names[-1]][1]]
+        return PhaseMemory(after=[int(reading(n) - base) for n in names[1:]], peak=int(max(window) - base))
+    # Without the running total (an allocator that does not keep one): add up the events in time order; a
+    # tensor freed by a thread the profiler does not follow (gloo's workers) then stays counted.
     alive = peak = 0
     after = []
-    for ts, change in memory:
+    ends = [probes[n][1] for n in names[1:]]
+    for ts, change, _ in memory:
         while len(after) < len(ends) and ts > ends[len(after)]:
             after.append(alive)
         alive += change
         peak = max(peak, alive)
     after += [alive] * (len(ends) - len(after))
     return PhaseMemory(after=[int(a) for a in after], peak=int(peak))
+
+
+@contextlib.contextmanager
+def _cpu_allocator_counting_every_thread():
+    """Make PyTorch's CPU allocator keep its running total for allocations and frees on every thread, for the
+    block; yield whether it does.
+
+    By default the allocator counts only on threads the profiler follows, so a tensor the main thread
+    allocated and a gloo worker thread freed (the last reference to a collective's buffer often dies there)
+    stays counted for ever: an FSDP2 step then seemed to hold a block's gathered weights more, in some runs and
+    not others. The switch is c10's ``caffe2_report_cpu_memory_usage`` flag (a command-line flag of c10's with
+    no Python binding, set here through ``ctypes``); where it cannot be found, nothing changes (yields False).
+    """
+    flag = _c10_flag("FLAGS_caffe2_report_cpu_memory_usage")
+    if flag is None:
+        yield False
+        return
+    before = flag.value
+    flag.value = True
+    try:
+        yield True
+    finally:
+        flag.value = before
+
+
+def _c10_flag(name: str):
+    """c10's boolean command-line flag ``name`` as a ``ctypes.c_bool``, or None where c10's library has none."""
+    import ctypes
+    import glob
+
+    for lib in sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*"))):
+        try:
+            return ctypes.c_bool.in_dll(ctypes.CDLL(lib), name)
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 @contextlib.contextmanager
