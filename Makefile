@@ -29,7 +29,8 @@ site: setup
 # browser to start (one at a time they kept the 2 cores busy a quarter of the time: 375 s of CPU in 712 s).
 # Then the notebooks, one at a time: their claims include timings a test running beside them would disturb;
 # with them the tests marked `alone`, which need the machine to themselves (they read its loopback byte counter,
-# which another test adds to, or run the set-up, which may reinstall the venv under the other tests).
+# which another test adds to, hold a wall-clock measurement to a formula, or run the set-up, which may reinstall
+# the venv under the other tests).
 # (scripts/test_phases.sh; TEST_WORKERS=0 runs everything one at a time.)
 test: setup
 	@bash scripts/test_phases.sh $(PY) "not notebook and not alone" "notebook or alone" --ignore=tests/runtime $(PYTEST_ARGS)

@@ -127,6 +127,7 @@ def test_interleaved_pipeline_equals_the_unsplit_model(world, micro_batches, chu
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # beside another test the wake-ups come late: 0.166 measured against 0.111 + 0.05 (runtime stack)
 def test_interleaving_measures_a_smaller_bubble_than_plain_1f1b():
     """Stage work made of sleeps, P = 2, M = 4: measured idle against the formula. Each step carries some 20-30 ms
     of sends, barrier skew and late wake-ups the formula does not count: 50 ms of work per micro-batch keeps that

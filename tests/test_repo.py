@@ -95,3 +95,12 @@ def test_tests_that_read_the_loopback_counter_are_marked_alone():
                if p.name != Path(__file__).name and any(name in p.read_text() for name in names)]
     assert readers, "no test reads the loopback counter any more: drop the marker and this test"
     assert [p.name for p in readers if "pytest.mark.alone" not in p.read_text()] == []
+
+
+def test_tests_that_time_against_a_formula_are_marked_alone():
+    """A wall-clock measurement held to a formula (a pipeline's idle share) needs the cores to itself: beside another
+    test its sleeps wake late (make test's phases run tests marked `alone` one at a time)."""
+    timers = [p for p in sorted((ROOT / "tests").glob("test_*.py"))
+              if p.name != Path(__file__).name and "idle_fraction(" in p.read_text()]
+    assert timers, "no test times a pipeline against its formula any more: drop this test"
+    assert [p.name for p in timers if "pytest.mark.alone" not in p.read_text()] == []
