@@ -87,20 +87,20 @@ def test_a_missing_dtlab_is_named_with_the_fix(path, monkeypatch):
         exec("".join(params["source"]), {})
 
 
-def test_tests_that_read_the_loopback_counter_are_marked_alone():
-    """The loopback interface's byte counter is the machine's: a test reading it must not run beside another
-    (make test's phases run tests marked `alone` one at a time)."""
-    names = ("loopback_during", "loopback_bytes", "side_by_side")
-    readers = [p for p in sorted((ROOT / "tests").glob("test_*.py"))
-               if p.name != Path(__file__).name and any(name in p.read_text() for name in names)]
-    assert readers, "no test reads the loopback counter any more: drop the marker and this test"
-    assert [p.name for p in readers if "pytest.mark.alone" not in p.read_text()] == []
+#: What makes a test need the machine to itself (make test's phases run tests marked `alone` one at a time), and
+#: the names that show a test file does it.
+NEEDS_THE_MACHINE = {
+    # the loopback interface's byte counter is the machine's: a test beside it adds its traffic
+    "reads the loopback counter": ("loopback_during", "loopback_bytes", "side_by_side"),
+    # a wall-clock measurement held to a formula (a pipeline's idle share): beside another test its sleeps wake late
+    "times a pipeline against its formula": ("idle_fraction(",),
+}
 
 
-def test_tests_that_time_against_a_formula_are_marked_alone():
-    """A wall-clock measurement held to a formula (a pipeline's idle share) needs the cores to itself: beside another
-    test its sleeps wake late (make test's phases run tests marked `alone` one at a time)."""
-    timers = [p for p in sorted((ROOT / "tests").glob("test_*.py"))
-              if p.name != Path(__file__).name and "idle_fraction(" in p.read_text()]
-    assert timers, "no test times a pipeline against its formula any more: drop this test"
-    assert [p.name for p in timers if "pytest.mark.alone" not in p.read_text()] == []
+@pytest.mark.parametrize("reason", NEEDS_THE_MACHINE)
+def test_tests_that_need_the_machine_to_themselves_are_marked_alone(reason):
+    names = NEEDS_THE_MACHINE[reason]
+    users = [p for p in sorted((ROOT / "tests").glob("test_*.py"))
+             if p.name != Path(__file__).name and any(name in p.read_text() for name in names)]
+    assert users, f"no test {reason} any more: drop its entry (and the marker where nothing else needs it)"
+    assert [p.name for p in users if "pytest.mark.alone" not in p.read_text()] == []
