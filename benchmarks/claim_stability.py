@@ -1,12 +1,13 @@
 """How often does each claim of the course hold? Re-run the notebooks whose claims rest on timings.
 
-    .venv/bin/python benchmarks/claim_stability.py [--rounds 20] [--notebooks 01 02 03 04 05 08 10] [--table F]
+    .venv/bin/python benchmarks/claim_stability.py [--rounds 20] [--notebooks 01 02 03 04 05 08 10] [--alt] [--table F]
 
 Each round runs the chosen notebooks with their CI parameters (as the tests do) into a fresh
 folder, one after another, and reads the claims each notebook recorded (``dtlab.notebook.Claims``
 writes ``<notebook>.claims.json``). For every claim it prints how many rounds it held in, and the
 spread (min / median / max) of the measured values it rests on. A notebook that failed before its
-claims cell counts as a failure of all its claims (named in the table). Run it on an idle machine:
+claims cell counts as a failure of all its claims (named in the table). ``--alt`` adds each notebook's
+second parameter set (the one its edge run or the runtime's job uses). Run it on an idle machine:
 its purpose is to show that a claim holds run after run, not only once.
 """
 
@@ -29,6 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--notebooks", nargs="*", default=TIMING_NOTEBOOKS)
+    ap.add_argument("--alt", action="store_true", help="add the notebooks' second parameter sets")
     ap.add_argument("--table", help="also write the table so far to this file after every round")
     args = ap.parse_args()
     notebooks = course.resolve(args.notebooks, course.find_notebooks())
@@ -39,7 +41,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="claims-") as folder:
             for nb in notebooks:
-                result = course.run_one(nb, Path(folder), ci=True, stream=False)
+                result = course.run_one(nb, Path(folder), ci=True, alt=args.alt, stream=False)
                 path = Path(folder) / f"{nb.stem}.claims.json"
                 if not path.exists():
                     failures[nb.stem].append(f"round {rnd + 1}: cell {result.failing_cell}: {result.error}")
@@ -54,12 +56,13 @@ def main() -> None:
                             values[key][name].append(float(value))
         print(f"round {rnd + 1}/{args.rounds} done ({time.monotonic() - start:.0f} s)", flush=True)
         if args.table:  # the table so far, so a run stopped early still says what it saw
-            Path(args.table).write_text(_table(rnd + 1, notebooks, held, values, failures, start))
-    print(_table(args.rounds, notebooks, held, values, failures, start))
+            Path(args.table).write_text(_table(rnd + 1, notebooks, held, values, failures, start, args.alt))
+    print(_table(args.rounds, notebooks, held, values, failures, start, args.alt))
 
 
-def _table(rounds, notebooks, held, values, failures, start) -> str:
-    lines = [f"{rounds} rounds of {', '.join(nb.stem for nb in notebooks)} with CI parameters, "
+def _table(rounds, notebooks, held, values, failures, start, alt=False) -> str:
+    which = "CI + second parameters" if alt else "CI parameters"
+    lines = [f"{rounds} rounds of {', '.join(nb.stem for nb in notebooks)} with {which}, "
              f"{time.monotonic() - start:.0f} s", "",
              "| notebook | claim | held | measured values: min / median / max |", "|---|---|---:|---|"]
     for (nb, claim), results in held.items():

@@ -114,9 +114,14 @@ def measure_step(cfg: dict) -> dict:
     copies, hooks — and what the processes cost each other on a shared machine); and one all-reduce
     of exactly the bytes DDP sends per step. With ``accumulation`` k > 1 a fourth is interleaved: the
     same k micro-batches with an all-reduce after each (DDP without ``no_sync``), so the saving of
-    ``no_sync`` is measured in the same processes, step beside step. Returns the medians (seconds),
-    the gradient bytes and, with k > 1, ``sync_each_ratios``: per step, the time with an all-reduce
-    per micro-batch over the time with ``no_sync``.
+    ``no_sync`` is measured in the same processes, step beside step. Returns the means (seconds),
+    the gradient bytes, every timed value (``samples``) and, with k > 1, ``sync_each_ratios``: per
+    step, the time with an all-reduce per micro-batch over the time with ``no_sync``.
+
+    Means, not medians: a step's time is the sum of its parts, and a sum holds for means. On a
+    shared CPU a small all-reduce takes either well under a millisecond or one scheduler tick more
+    (a waiting thread woken late); its median jumps between the two from launch to launch, while
+    the DDP step it is meant to explain pays the mixture.
     """
     import contextlib
     import statistics
@@ -196,7 +201,8 @@ def measure_step(cfg: dict) -> dict:
             if compare_sync:
                 ratios.append(each / step)
     dist.destroy_process_group()
-    out = {name: statistics.median(v) if v else 0.0 for name, v in parts.items()}
+    out = {name: statistics.fmean(v) if v else 0.0 for name, v in parts.items()}
+    out["samples"] = parts
     if compare_sync:
         out["sync_each_ratios"] = ratios
     return {**out, "grad_bytes": grad_bytes, "world": world}
@@ -217,10 +223,12 @@ def measure_speedup(cfg: dict, nprocs: int = 2, repeats: int = 1) -> dict:
     The prediction is ``predict`` with this machine's numbers: the compute per micro-batch of
     ``nprocs`` processes training side by side without communicating, and the link bandwidth that
     makes ``allreduce_seconds`` equal the measured all-reduce of the bytes DDP sends. The measured
-    speed-up (``nprocs x`` one process's step time over the DDP step time; each process does the
-    same work per step) tests it. ``repeats`` launches are interleaved; medians are returned, and
-    ``spread`` (max - min over median) of the measured speed-up says how noisy the machine was.
-    With accumulation, ``sync_each_ratios`` pools every launch's per-step ratios (see ``measure_step``).
+    speed-up (``nprocs x`` one process's mean step time over the DDP step's: samples per second,
+    as each process does the same work per step) tests it. ``repeats`` launches are interleaved;
+    the medians of their results are returned, and ``spread`` (max - min over median) of the
+    measured speed-up says how noisy the machine was. ``allreduce_samples_s`` pools every launch's
+    timed all-reduces (their spread is why ``measure_step`` averages); with accumulation,
+    ``sync_each_ratios`` pools every launch's per-step ratios (see ``measure_step``).
     """
     import statistics
 
@@ -238,9 +246,11 @@ def measure_speedup(cfg: dict, nprocs: int = 2, repeats: int = 1) -> dict:
                        "allreduce_s": many["allreduce_s"], "grad_bytes": many["grad_bytes"],
                        "measured": nprocs * one["step_s"] / many["step_s"],
                        "predicted": nprocs * one["step_s"] / p.step_s,
-                       "sync_each_ratios": many.get("sync_each_ratios", [])})
-    med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != "sync_each_ratios"}
-    med["sync_each_ratios"] = [x for r in rounds for x in r["sync_each_ratios"]]
+                       "sync_each_ratios": many.get("sync_each_ratios", []),
+                       "allreduce_samples_s": many["samples"]["allreduce_s"]})
+    pooled = ("sync_each_ratios", "allreduce_samples_s")
+    med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key not in pooled}
+    med.update({key: [x for r in rounds for x in r[key]] for key in pooled})
     measured = [r["measured"] for r in rounds]
     med["spread"] = (max(measured) - min(measured)) / med["measured"]
     med["error"] = med["predicted"] / med["measured"] - 1
