@@ -234,29 +234,51 @@ def _native_stderr_muted():
         os.close(devnull)
 
 
-def recompute(model: nn.Module, mode: str, *, reentrant: bool = False, preserve_rng_state: bool = True,
-              blocks: str = "blocks") -> nn.Module:
-    """Apply activation recomputation to each block of ``model`` (in place; returns ``model``).
-
-    ``mode``: ``"none"`` (nothing), ``"selective"`` (each block's ``attn.core`` is wrapped) or ``"full"``
-    (each whole block is wrapped), with ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``: the
-    wrapped module's forward runs under ``torch.utils.checkpoint.checkpoint`` and its state-dict keys stay
-    those of the plain model. ``reentrant=False`` is PyTorch's recommended implementation (the reentrant
-    one needs an input that requires grad and cannot be nested); ``preserve_rng_state=False`` saves the
-    cost of stashing the RNG state, and is wrong as soon as the block has dropout (notebook 18 shows it).
-    ``blocks`` names the ``ModuleList`` of blocks. With FSDP2, apply it before ``fully_shard``.
+def blocks_of(model: nn.Module, blocks: str = "blocks") -> nn.ModuleList:
+    """The ``ModuleList`` of blocks at the dotted path ``blocks`` in ``model``: ``"blocks"`` for
+    ``dtlab.models.TinyGPT``, ``"model.layers"`` for a Hugging Face ``LlamaForCausalLM`` (``transformer.h`` for GPT-2).
 
     Raises:
-        ValueError: an unknown mode, or a model without that list of blocks (the fix named).
+        ValueError: nothing at that path, or not a ``ModuleList``, naming the lists the model has.
+    """
+    try:
+        layers = model.get_submodule(blocks)
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, nn.ModuleList):
+        lists = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList)][:4]
+        raise ValueError(f"{type(model).__name__} has no ModuleList {blocks!r} of blocks. Fix: pass blocks=<the dotted "
+                         f"path to the list of layers> ({', '.join(map(repr, lists)) or 'it has no ModuleList'}), or "
+                         "wrap modules yourself with checkpoint_wrapper")
+    return layers
+
+
+def recompute(model: nn.Module, mode: str, *, reentrant: bool = False, preserve_rng_state: bool = True,
+              blocks: str = "blocks", selective: str | type = "attn.core") -> nn.Module:
+    """Apply activation recomputation to each block of ``model`` (in place; returns ``model``).
+
+    ``mode``: ``"none"`` (nothing), ``"selective"`` (inside each block, the part named by ``selective`` is wrapped)
+    or ``"full"`` (each whole block is wrapped), with
+    ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``: the wrapped module's forward runs under
+    ``torch.utils.checkpoint.checkpoint`` and its state-dict keys stay those of the plain model.
+    ``reentrant=False`` is PyTorch's recommended implementation (the reentrant one needs an input that requires
+    grad and cannot be nested); ``preserve_rng_state=False`` saves the cost of stashing the RNG state, and is
+    wrong as soon as the block has dropout (notebook 18 shows it). With FSDP2, apply it before ``fully_shard``.
+
+    ``blocks`` is the dotted path to the ``ModuleList`` of blocks (``blocks_of``): ``"model.layers"`` for a Hugging
+    Face Llama. ``selective`` says what to recompute inside a block: a dotted path (``"attn.core"``, TinyGPT's
+    attention core) or a module class (every module of that class inside the block, e.g. transformers'
+    ``LlamaAttention``).
+
+    Raises:
+        ValueError: an unknown mode, a model without that list of blocks, or a block without the selective part
+        (the fix named).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: use one of {', '.join(map(repr, MODES))}")
-    layers = getattr(model, blocks, None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no ModuleList {blocks!r} of blocks. Fix: pass blocks=<the name "
-                         "of the list of layers>, or wrap modules yourself with checkpoint_wrapper")
+    layers = blocks_of(model, blocks)
     if mode == "none":
         return model
     impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
@@ -267,11 +289,23 @@ def recompute(model: nn.Module, mode: str, *, reentrant: bool = False, preserve_
     for i, block in enumerate(layers):
         if mode == "full":
             layers[i] = wrap(block)
-        elif not hasattr(getattr(block, "attn", None), "core"):
-            raise ValueError(f"block {i} ({type(block).__name__}) has no attn.core to recompute selectively. "
-                             "Fix: mode='full', or wrap its attention module yourself with checkpoint_wrapper")
+            continue
+        if isinstance(selective, type):
+            targets = [name for name, m in block.named_modules() if isinstance(m, selective) and name]
         else:
-            block.attn.core = wrap(block.attn.core)
+            try:
+                block.get_submodule(selective)
+                targets = [selective]
+            except AttributeError:
+                targets = []
+        if not targets:
+            what = selective.__name__ if isinstance(selective, type) else selective
+            raise ValueError(f"block {i} ({type(block).__name__}) has no {what} to recompute selectively. "
+                             "Fix: mode='full', or selective=<a dotted path or a module class inside the block>")
+        for name in targets:
+            parent_name, _, attr = name.rpartition(".")
+            parent = block.get_submodule(parent_name) if parent_name else block
+            setattr(parent, attr, wrap(getattr(parent, attr)))
     return model
 
 

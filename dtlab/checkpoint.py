@@ -197,8 +197,9 @@ def restore(state: dict[str, Any], model: nn.Module, *, optimizer: torch.optim.O
     size raise ``CheckpointError`` and leave model, optimizer and loader as they were.
 
     ``allow_new_world_size=True`` resumes weights, optimizer and scheduler with a different number
-    of processes; the data position cannot be resharded exactly, so the loader restarts the
-    saved epoch from its beginning and the RNG is seeded afresh by you.
+    of processes. A ``DistributedLoader``'s position cannot be resharded exactly, so it restarts the
+    saved epoch from its beginning; a ``dtlab.shards.ShardStream`` (``reshards = True``) continues at
+    the same next sample. The RNG is seeded afresh by you.
     """
     if "model" not in state:
         raise CheckpointError(f"checkpoint has no 'model' entry (keys: {sorted(state)}); "
@@ -230,8 +231,10 @@ def restore(state: dict[str, Any], model: nn.Module, *, optimizer: torch.optim.O
                               "Weights and optimizer would load, but each rank's data shard and RNG would not "
                               "continue where they stopped. Fix: resume with the same number of processes, or "
                               "pass allow_new_world_size=True to restart the saved epoch on the new world size.")
-    if loader is not None and "loader" in state and not new_world:
-        loader.load_state_dict(state["loader"])  # validates first; raises before anything else changes
+    if loader is not None and "loader" in state and (not new_world or getattr(loader, "reshards", False)):
+        # validates first; raises before anything else changes. A loader whose position does not depend on the
+        # world size (dtlab.shards.ShardStream) continues from it on any number of ranks.
+        loader.load_state_dict(state["loader"])
     elif loader is not None and "loader" in state:
         loader.set_epoch(int(state["loader"]["epoch"]))
     model.load_state_dict(state["model"])

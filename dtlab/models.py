@@ -213,3 +213,33 @@ class TinyGPT(nn.Module):
         if targets is None:
             return logits
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class LogitsOnly(nn.Module):
+    """A causal LM (a Hugging Face ``...ForCausalLM``) that maps token ids to logits and nothing else: the form a model
+    takes to be logged, served and loaded back (``mlflow.pytorch``'s wrapper calls ``model(x)`` and needs a tensor,
+    where a Hugging Face model returns an output object). Its ``state_dict`` is the wrapped model's, under
+    ``lm.``."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=torch.as_tensor(input_ids).long(), use_cache=False).logits
+
+
+@torch.no_grad()
+def next_token_loss(model: nn.Module, tokens: torch.Tensor, batch_size: int = 16) -> float:
+    """Mean cross-entropy of predicting each next token of ``tokens`` (rows of ``seq_len + 1``), ``model`` mapping
+    ids to logits (``LogitsOnly``); evaluated in eval mode, in batches, summed in float64."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(tokens), batch_size):
+        rows = torch.as_tensor(tokens[start:start + batch_size]).long()
+        logits = model(rows[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten(), reduction="sum")
+        total, count = total + float(loss), count + rows[:, 1:].numel()
+    model.train(was_training)
+    return total / count

@@ -170,12 +170,18 @@ class Run:
 
             mlflow.log_artifact(str(path))
 
-    def log_model(self, model: Any, name: str = "model") -> str | None:
+    def log_model(self, model: Any, name: str = "model", input_example: Any = None,
+                  output_example: Any = None) -> str | None:
         """Log a PyTorch model (pickle format, named explicitly) and return its URI for ``load_model``.
 
         MLflow 3 defaults to a torch.export format off Databricks and to pickle on it; saying
         ``pickle`` makes the model load back as the same ``nn.Module`` class everywhere (the
         class must be importable, as dtlab's models are).
+
+        With ``input_example`` (a numpy array, what a caller would send) and ``output_example`` (what the model
+        returns for it), the model gets a signature and an example: a model registered in Unity Catalog must
+        have a signature (``register`` refuses one without). Given only the input, the output is the model's own
+        on it.
         """
         if not self.active:
             return None
@@ -189,6 +195,9 @@ class Run:
             kwargs["name"] = name
         else:
             kwargs["artifact_path"] = name
+        if input_example is not None:
+            kwargs["signature"] = signature_of(model, input_example, output_example)
+            kwargs["input_example"] = input_example
         info = mlflow.pytorch.log_model(model, **kwargs)
         return info.model_uri
 
@@ -251,6 +260,60 @@ def load_model(model_uri: str, uri: str | None = None) -> Any:
 
     mlflow.set_tracking_uri(check_uri(uri or default_uri()))
     return mlflow.pytorch.load_model(model_uri)
+
+
+def signature_of(model: Any, input_example: Any, output_example: Any = None) -> Any:
+    """MLflow's ``ModelSignature`` for ``model`` called on ``input_example`` (numpy): the input's and the output's
+    types and shapes (the batch dimension left open). ``output_example`` defaults to the model's own output."""
+    import numpy as np
+    import torch
+    from mlflow.models import infer_signature
+
+    if output_example is None:
+        with torch.no_grad():
+            output_example = model(torch.as_tensor(input_example))
+    if torch.is_tensor(output_example):
+        output_example = output_example.detach().cpu().numpy()
+    return infer_signature(np.asarray(input_example), np.asarray(output_example))
+
+
+def registry_name(name: str, catalog: str | None = None, schema: str | None = None) -> str:
+    """The name to register ``name`` under: ``catalog.schema.name`` in Unity Catalog (both given), else ``name``."""
+    if bool(catalog) != bool(schema):
+        raise TrackingError(f"catalog={catalog!r}, schema={schema!r}: a Unity Catalog model needs both. Fix: give "
+                            "both (catalog.schema.model), or neither to use the tracking server's registry")
+    return f"{catalog}.{schema}.{name}" if catalog else name
+
+
+def register(model_uri: str, name: str, alias: str | None = None, registry_uri: str | None = None) -> int:
+    """Register the logged model at ``model_uri`` as a new version of ``name``; point ``alias`` at it; return the
+    version.
+
+    ``registry_uri`` ``"databricks-uc"`` registers in Unity Catalog (``name`` then is ``catalog.schema.model``:
+    ``registry_name``); by default the tracking store's own registry. Load it back anywhere with
+    ``load_model(f"models:/{name}@{alias}")``.
+
+    Raises:
+        TrackingError: the model has no signature (Unity Catalog refuses it; the fix: log it with an input
+        example), or a Unity Catalog name that is not three-level.
+    """
+    import mlflow
+    from mlflow import MlflowClient
+
+    if registry_uri:
+        mlflow.set_registry_uri(registry_uri)
+        if registry_uri.startswith("databricks-uc") and name.count(".") != 2:
+            raise TrackingError(f"{name!r} is not a Unity Catalog model name. Fix: catalog.schema.model "
+                                "(dtlab.tracking.registry_name(name, catalog, schema))")
+    info = mlflow.models.get_model_info(model_uri)
+    if info.signature is None:
+        raise TrackingError(f"{model_uri} was logged without a signature, and a model registered in Unity Catalog "
+                            "must have one. Fix: log it with an example of its input, run.log_model(model, "
+                            "input_example=x) (the signature is inferred from it), then register that")
+    version = mlflow.register_model(model_uri, name)
+    if alias:
+        MlflowClient().set_registered_model_alias(name, alias, version.version)
+    return int(version.version)
 
 
 def databricks_credentials() -> tuple[str, str]:

@@ -205,3 +205,42 @@ def test_fsdp2_with_a_checkpoint_wrapper_per_block_trains_what_it_trains_without
     for a, b in zip(plain, recomputed):
         assert a["losses"] == b["losses"]
         assert max_diff(a["state"], b["state"]) == 0.0
+
+
+def test_recompute_finds_blocks_by_dotted_path_and_selective_parts_by_class():
+    """A Hugging Face layout: the blocks at model.layers, the attention a module class inside each."""
+
+    class Attention(torch.nn.Linear):
+        pass
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn, self.mlp = Attention(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.mlp(self.self_attn(x))
+
+    def hf_like():
+        torch.manual_seed(0)
+        outer = torch.nn.Module()
+        outer.model = torch.nn.Module()
+        outer.model.layers = torch.nn.ModuleList([Block(), Block()])
+        return outer
+
+    full = activations.recompute(hf_like(), "full", blocks="model.layers")
+    assert activations.recomputed(full) == 2
+    some = activations.recompute(hf_like(), "selective", blocks="model.layers", selective=Attention)
+    assert activations.recomputed(some) == 2 and type(some.model.layers[0].mlp) is torch.nn.Linear
+    x = torch.randn(3, 4)
+    plain = hf_like()
+    out = [sum(b(x).sum() for b in m.model.layers) for m in (plain, full, some)]
+    grads = []
+    for o, m in zip(out, (plain, full, some)):
+        o.backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g))
+    with pytest.raises(ValueError, match="has no ModuleList 'layers'.*'model.layers'"):
+        activations.recompute(hf_like(), "full", blocks="layers")
+    with pytest.raises(ValueError, match="no Linear8 to recompute.*selective="):
+        activations.recompute(hf_like(), "selective", blocks="model.layers", selective=type("Linear8", (), {}))

@@ -199,3 +199,15 @@ def test_ring_factors_are_nccl_tests_bus_factors(n):
 
 def test_the_reference_rule_of_thumb_is_kept_as_data():
     assert memory.size_guide(70e9)[1].endswith("ZeRO-3") and "offloading" in memory.size_guide(405e9)[1]
+
+
+def test_a_hugging_face_config_gives_the_published_shape():
+    """LLaMA 7B's config.json values (Touvron et al. 2023, Table 2; 6.7B parameters) read as the planner's shape."""
+    config = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+              "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000, "hidden_act": "silu",
+              "tie_word_embeddings": False}
+    shape = memory.shape_from_hf(config)
+    assert shape.params == memory.KNOWN_SHAPES[7e9].params
+    assert abs(shape.params / 6.7e9 - 1) < 0.01
+    with pytest.raises(ValueError, match="no 'hidden_size'.*Fix"):
+        memory.shape_from_hf({"num_hidden_layers": 2})

@@ -194,3 +194,32 @@ def test_without_a_host_or_token_worker_env_names_the_fix(monkeypatch, context):
     assert "Fix" in str(err.value) and "{{secrets/" in str(err.value)
     # a store that is not Databricks' needs no credentials
     assert tracking.worker_env("sqlite:///x.db") == {"MLFLOW_TRACKING_URI": "sqlite:///x.db"}
+
+
+@pytest.mark.slow
+def test_register_refuses_a_model_without_a_signature_and_an_alias_loads_the_registered_one(tmp_path):
+    import subprocess
+    import sys
+
+    code = f"""
+import torch, mlflow
+from dtlab import models, tracking
+uri = tracking.default_uri({str(tmp_path)!r})
+torch.manual_seed(0)
+model = models.MLP(4, 8, 3)
+x = torch.randn(2, 4).numpy()
+with tracking.start("reg", uri=uri, system_metrics=False) as run:
+    bare = run.log_model(model, "bare")
+    signed = run.log_model(model, "signed", input_example=x)
+try:
+    tracking.register(bare, "m")
+except tracking.TrackingError as err:
+    print("refused:", err)
+version = tracking.register(signed, "m", alias="champion")
+back = mlflow.pytorch.load_model("models:/m@champion")
+print("version", version, torch.equal(back(torch.as_tensor(x)), model(torch.as_tensor(x))))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "MLFLOW_TRACKING_URI": ""})
+    assert "refused:" in out.stdout and "signature" in out.stdout and "input_example" in out.stdout, out.stderr[-2000:]
+    assert "version 1 True" in out.stdout, out.stdout + out.stderr[-2000:]

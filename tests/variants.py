@@ -19,7 +19,7 @@ from dtlab.tooling import runner as course
 
 NOTEBOOKS = course.find_notebooks(Path(__file__).resolve().parent.parent / "notebooks")
 ON_RUNTIME_STACK = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14", "15",
-                    "16", "18", "19")
+                    "16", "18", "19", "20")
 #: Notebooks that run once, with their solutions, on the newest stack only (the reason).
 RUN_ONCE = {"17": "Ray 2.60 would replace the runtime stack's pandas/pyarrow/packaging, and each Ray Train fit "
                   "costs 15-40 s of fixed start-up on 2 cores: a second full run would cost 5-6 minutes of make test"}

@@ -65,3 +65,21 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every DTensor gathered into a plain tensor; every rank must call it."""
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in model.state_dict().items()}
+
+
+def shard_blocks(model: torch.nn.Module, mesh: Any, blocks: str = "blocks", **options: Any) -> torch.nn.Module:
+    """``fully_shard`` each block of ``model`` (the ``ModuleList`` at the dotted path ``blocks``: ``"blocks"`` for
+    TinyGPT, ``"model.layers"`` for a Hugging Face Llama), then the model itself (what is left: embeddings, the last
+    norm, the output layer), all on ``mesh``; returns ``model``. ``options`` go to every ``fully_shard`` call
+    (``mp_policy``, ``reshard_after_forward``...). One all-gather per block then brings in one block's weights at a
+    time. Apply recomputation (``dtlab.activations.recompute``) first.
+    """
+    require()
+    from torch.distributed.fsdp import fully_shard
+
+    from dtlab.activations import blocks_of
+
+    for block in blocks_of(model, blocks):
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return model

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from dtlab.planner import hardware
 
@@ -330,6 +331,37 @@ def shaped(shape: ModelShape, **changes) -> ModelShape:
     new = replace(shape, **changes)
     check_shape(new.n_layer, new.n_embd, new.n_head, new.n_kv_head)
     return new
+
+
+def shape_from_hf(config: Any) -> ModelShape:
+    """The shape of a Hugging Face decoder-only model from its config (a ``transformers`` ``PretrainedConfig``,
+    or its ``config.json`` as a dict): layers, hidden size, heads, key/value heads, MLP width, vocabulary, tied
+    embeddings; a SwiGLU ("silu") MLP counts three matrices, as in LLaMA.
+
+    Raises:
+        ValueError: a config without a decoder's fields (named).
+    """
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    names = {"num_hidden_layers": ("n_layer",), "hidden_size": ("n_embd",), "num_attention_heads": ("n_head",)}
+    values = {}
+    for key, aliases in names.items():
+        value = get(key)
+        for alias in aliases:
+            value = get(alias) if value is None else value
+        if value is None:
+            raise ValueError(f"the config has no {key!r}: not a decoder-only transformer's config. Fix: pass the "
+                             "config of a causal LM (LlamaConfig, MistralConfig, GPT2Config...)")
+        values[key] = int(value)
+    act = str(get("hidden_act") or get("activation_function") or "")
+    shape = ModelShape(str(get("model_type") or "hf") + " (from its config)", values["num_hidden_layers"],
+                       values["hidden_size"], values["num_attention_heads"], "the model's Hugging Face config",
+                       n_kv_head=get("num_key_value_heads"), ffn=get("intermediate_size") or get("n_inner"),
+                       gated=act in ("silu", "swiglu"), vocab=get("vocab_size"),
+                       tied=bool(get("tie_word_embeddings", True)),
+                       dropout=any(float(get(k) or 0) > 0 for k in ("attention_dropout", "hidden_dropout",
+                                                                    "resid_pdrop")))
+    check_shape(shape.n_layer, shape.n_embd, shape.n_head, shape.n_kv_head)
+    return shape
 
 
 # ---------------------------------------------------------------------------------------------------------

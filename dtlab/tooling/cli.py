@@ -68,7 +68,17 @@ def _advise(args: argparse.Namespace) -> int:
             raise ValueError("--mfu is now --efficiency: the fraction of peak FLOP/s the GPU's kernels reach while "
                              "computing; MFU is what the advisor reports. Fix: --efficiency "
                              f"{args.mfu:g}")
-        result = advise.advise(args.params, n_layer=args.layers, n_embd=args.hidden, n_head=args.heads,
+        shape = None
+        if args.hf_config:
+            from dtlab.planner import formulas
+
+            try:
+                with open(args.hf_config) as f:
+                    shape = formulas.shape_from_hf(json.load(f))
+            except (OSError, json.JSONDecodeError) as err:
+                raise ValueError(f"cannot read the Hugging Face config {args.hf_config} ({err}). Fix: the path of a "
+                                 "model's config.json (model.config.to_json_file(path) writes one)") from None
+        result = advise.advise(args.params, shape=shape, n_layer=args.layers, n_embd=args.hidden, n_head=args.heads,
                                n_kv_head=args.kv_heads, vocab=args.vocab, cluster=args.cluster, gpus=args.gpus,
                                gpu=args.gpu, gpu_mem_gb=args.gpu_mem_gb, gpus_per_node=args.gpus_per_node,
                                tflops=args.tflops, intra_node_gbs=args.intra_node_gbs,
@@ -98,6 +108,9 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
                      help="model parameters, e.g. 7e9 (or give --layers, --hidden, --heads). With --params alone the "
                           f"shape is a published one within 1.25x ({shapes} layers/hidden/heads) or follows the "
                           "published families (128-wide heads)")
+    adv.add_argument("--hf-config", default=None, metavar="CONFIG_JSON",
+                     help="a Hugging Face model's config.json: its shape (layers, hidden, heads, KV heads, MLP, "
+                          "vocabulary) instead of --layers/--hidden/--heads")
     adv.add_argument("--layers", type=_number(int, 1, example="32"), default=None, help="the model's layers")
     adv.add_argument("--hidden", type=_number(int, 1, example="4096"), default=None, help="the model's hidden size")
     adv.add_argument("--heads", type=_number(int, 1, example="32"), default=None, help="attention heads")
