@@ -6,9 +6,12 @@ Its folders are its map. At the top, what a learner imports, one module per conc
     dtlab.distributed  rank/world helpers, set-up and teardown, rank-0-only work, seeding
     dtlab.launch       run a function (even one defined in a notebook) on N processes
     dtlab.processes    stopping what was started: wait until processes are gone, then force the rest
-    dtlab.models       MLP, SmallResNet, TinyGPT, count_parameters
+    dtlab.models       MLP, SmallResNet, TinyGPT, count_parameters; LogitsOnly (a Hugging Face LM, logged)
     dtlab.activations  activation memory measured (allocator, saved tensors); recomputation per block
     dtlab.data         deterministic synthetic data, scikit-learn digits, DistributedLoader
+    dtlab.text         real text with no download (CPython's help topics), a BPE learnt from it, token rows
+    dtlab.delta        a Delta table: Spark's on Databricks (Unity Catalog names checked), delta-rs elsewhere
+    dtlab.shards       a table as shards in a volume; ShardStream: each rank's samples once, resumable at any N
     dtlab.checkpoint   atomic save, safe load, exact training state, periodic Checkpointer
     dtlab.sharded_checkpoint  DCP checkpoints: one file per rank, any world size loads them; manifest, async
     dtlab.resumable    the training loop that resumes exactly after being killed (notebook 10)
