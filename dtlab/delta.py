@@ -91,9 +91,13 @@ def read_table(spark: Any, where: dict[str, Any]) -> Any:
     if not Path(where["table"], "_delta_log").is_dir():
         raise FileNotFoundError(f"no Delta table at {where['table']} (no _delta_log). Fix: write it first "
                                 "(dtlab.delta.write_table), or pass the folder it was written to")
-    arrow = deltalake.DeltaTable(where["table"]).to_pyarrow_table()
-    return spark.createDataFrame(arrow.to_pandas(), schema=SCHEMA if set(arrow.column_names) == {"id", "tokens"}
-                                 else None)
+    return dataframe(spark, deltalake.DeltaTable(where["table"]).to_pyarrow_table())
+
+
+def dataframe(spark: Any, table: Any) -> Any:
+    """A pyarrow ``table`` with ``id`` and ``tokens`` as a Spark DataFrame (``SCHEMA``), through plain Python rows:
+    Spark 3.5 refuses numpy integers in an array column."""
+    return spark.createDataFrame(table.select(["id", "tokens"]).to_pylist(), schema=SCHEMA)
 
 
 def _to_arrow(df: Any) -> Any:

@@ -286,8 +286,8 @@ def registry_name(name: str, catalog: str | None = None, schema: str | None = No
 
 
 def register(model_uri: str, name: str, alias: str | None = None, registry_uri: str | None = None) -> int:
-    """Register the logged model at ``model_uri`` as a new version of ``name``; point ``alias`` at it; return the
-    version.
+    """Register the logged model at ``model_uri`` as a new version of ``name``; point ``alias`` at it where the
+    registry takes aliases (``aliases_supported``); return the version.
 
     ``registry_uri`` ``"databricks-uc"`` registers in Unity Catalog (``name`` then is ``catalog.schema.model``:
     ``registry_name``); by default the tracking store's own registry. Load it back anywhere with
@@ -311,9 +311,18 @@ def register(model_uri: str, name: str, alias: str | None = None, registry_uri: 
                             "must have one. Fix: log it with an example of its input, run.log_model(model, "
                             "input_example=x) (the signature is inferred from it), then register that")
     version = mlflow.register_model(model_uri, name)
-    if alias:
+    if alias and aliases_supported():
         MlflowClient().set_registered_model_alias(name, alias, version.version)
     return int(version.version)
+
+
+def aliases_supported() -> bool:
+    """Whether the registry in use takes aliases: Unity Catalog and MLflow's own registry do; Databricks' legacy
+    Workspace Model Registry (registry URI ``databricks``) refuses them, so there load ``models:/<name>/<version>``."""
+    import mlflow
+
+    registry = mlflow.get_registry_uri() or ""
+    return not (registry.startswith("databricks") and not registry.startswith("databricks-uc"))
 
 
 def databricks_credentials() -> tuple[str, str]:
