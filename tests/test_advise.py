@@ -288,3 +288,16 @@ def test_hsdp_is_the_answer_where_the_network_is_slow_next_to_nvlink():
     assert best["layout"]["hsdp"] and best["layout"]["shard"] == 8
     assert best["tokens_per_second"] > 1.5 * a.row("ZeRO-3")["tokens_per_second"]
     assert best["tokens_per_second"] > a.row("TP2 x DP32 (ZeRO-1)")["tokens_per_second"]
+
+
+def test_dtlab_advise_reads_a_hugging_face_config(tmp_path):
+    """--hf-config: the shape from the model's config.json (LLaMA 7B's values), the same advice as the shape given."""
+    import json
+
+    from dtlab.tooling.cli import main
+
+    config = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+              "intermediate_size": 11008, "vocab_size": 32000, "hidden_act": "silu", "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["advise", "--hf-config", str(tmp_path / "config.json"), "--json"]) == 0
+    assert main(["advise", "--hf-config", str(tmp_path / "missing.json")]) == 2

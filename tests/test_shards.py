@@ -11,6 +11,8 @@ import torch
 
 from dtlab import checkpoint, launch, shards, text
 
+pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
+
 SEQ = 8
 
 

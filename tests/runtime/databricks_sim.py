@@ -27,7 +27,8 @@ reproduced here (the runtime's Python stack itself is the venv ``make test-runti
   carrying the token, and whose store, like the workspace's, refuses an experiment whose parent folder does
   not exist (``RESOURCE_DOES_NOT_EXIST``) or whose name is not a path. (Artifacts are written to a folder the
   server names, ``--no-serve-artifacts``: the workspace's own artifact service, with credentials per write,
-  is the one path not reproduced.)
+  is the one path not reproduced; a registered model version is read back as the workspace serves it, through
+  its list-artifacts and signed-download-URL endpoints.)
 
 ``Job`` builds all of it in a folder and starts the server (``Job.close`` stops it); ``Job.run(task)``
 executes one task's notebook there with papermill, passing no parameters but the widgets.
@@ -209,22 +210,73 @@ def build(store_uri=None, artifact_uri=None):
 
 _SERVER_APP = '''
 """The simulated workspace's REST API: MLflow's own tracking server, answering only requests that carry the
-workspace's token (``Authorization: Bearer <token>``), as Databricks does."""
+workspace's token (``Authorization: Bearer <token>``), as Databricks does; plus the workspace registry's two artifact
+endpoints, which MLflow's client uses to load ``models:/<name>/<version>`` from a Databricks workspace (and an
+OSS server lacks): the files of a model version, and a signed download URL for each (as cloud storage's presigned
+URLs, valid without the token, for this one file)."""
+import hashlib
+import hmac
 import os
+from pathlib import Path
+from urllib.parse import quote, urlparse
+from urllib.request import url2pathname
 
-from flask import jsonify, request
+from flask import jsonify, request, send_file
 from mlflow.server import app
+from mlflow.server.handlers import _get_model_registry_store, _get_tracking_store
 
 TOKEN = os.environ["DTLAB_SIM_API_TOKEN"]
+SIGNED = "/dtlab-sim/signed/"
 
 
 @app.before_request
 def _require_the_token():
-    if request.path == "/health":
+    if request.path == "/health" or request.path.startswith(SIGNED):
         return None
     if request.headers.get("Authorization") != f"Bearer {TOKEN}":
         return jsonify(error_code="UNAUTHENTICATED", message="Invalid access token."), 401
     return None
+
+
+def _version_root():
+    """The folder that holds the requested model version's files (its run's artifacts, at the model's path)."""
+    version = _get_model_registry_store().get_model_version(request.args["name"], request.args["version"])
+    source = version.source
+    if source.startswith("runs:/"):
+        run_id, _, inner = source[len("runs:/"):].partition("/")
+        source = _get_tracking_store().get_run(run_id).info.artifact_uri.rstrip("/") + "/" + inner
+    return Path(url2pathname(urlparse(source).path))
+
+
+def _signature(path):
+    return hmac.new(TOKEN.encode(), str(path).encode(), hashlib.sha256).hexdigest()
+
+
+@app.route("/api/2.0/mlflow/model-versions/list-artifacts", methods=["GET"])
+def _list_model_version_artifacts():
+    root = _version_root()
+    inner = request.args.get("path", "")
+    target = root / inner
+    if target.is_file():
+        return jsonify(files=[{"path": inner, "is_dir": False, "file_size": target.stat().st_size}])
+    files = [{"path": str(p.relative_to(root)), "is_dir": p.is_dir(),
+              **({} if p.is_dir() else {"file_size": p.stat().st_size})} for p in sorted(target.iterdir())]
+    return jsonify(files=files)
+
+
+@app.route("/api/2.0/mlflow/model-versions/get-signed-download-uri", methods=["GET"])
+def _signed_download_uri():
+    path = (_version_root() / request.args.get("path", "")).resolve()
+    url = f"{request.host_url.rstrip('/')}{SIGNED}{_signature(path)}?file={quote(str(path))}"
+    return jsonify(signed_uri=url, headers=[])
+
+
+@app.route(SIGNED + "<signature>", methods=["GET"])
+def _signed_download(signature):
+    path = request.args.get("file", "")
+    if not hmac.compare_digest(signature, _signature(path)) or not Path(path).is_file():
+        return jsonify(error_code="PERMISSION_DENIED", message="Invalid or expired signature."), 403
+    return send_file(path)
 '''
 
 _REPL_CONTEXT = '''
