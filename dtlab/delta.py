@@ -84,8 +84,8 @@ def read_table(spark: Any, where: dict[str, Any]) -> Any:
     """The table ``write_table`` described in ``where``, as a Spark DataFrame."""
     if where["writer"].startswith("Spark"):
         table = where["table"]
-        return spark.table(table) if os.path.sep not in table and "." in table else \
-            spark.read.format("delta").load(table)
+        is_name = "/" not in table and "." in table           # catalog.schema.table, not a folder
+        return spark.table(table) if is_name else spark.read.format("delta").load(table)
     import deltalake
 
     if not Path(where["table"], "_delta_log").is_dir():

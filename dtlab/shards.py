@@ -120,7 +120,8 @@ def write_shards_from_dataframe(df: Any, folder: str | os.PathLike, *, seq_len: 
     """The same shards from a Spark DataFrame, written by Spark's executors (nothing passes through the driver):
     ``shards`` files, rows range-partitioned and sorted by ``id_column``, then ``index.json`` written last.
 
-    ``folder`` is a local path here, a ``/Volumes/<catalog>/<schema>/<volume>/...`` path on Databricks.
+    ``folder`` is a local path here, a ``/Volumes/<catalog>/<schema>/<volume>/...`` path on Databricks
+    (``spark_path``).
     """
     import pyarrow.parquet as pq
     from pyspark.sql import functions as F
@@ -133,7 +134,7 @@ def write_shards_from_dataframe(df: Any, folder: str | os.PathLike, *, seq_len: 
     data = folder / "data"
     (df.select(F.col(id_column).cast("long").alias("id"), F.col(tokens_column).cast("array<int>").alias("tokens"))
        .repartitionByRange(shards, "id").sortWithinPartitions("id")
-       .write.mode("overwrite").parquet(str(data)))
+       .write.mode("overwrite").parquet(spark_path(data)))
     files = sorted(str(p.relative_to(folder)) for p in data.glob("part-*.parquet"))
     lengths = set()
     for name in files:                                   # every row must hold seq_len + 1 tokens
@@ -143,6 +144,15 @@ def write_shards_from_dataframe(df: Any, folder: str | os.PathLike, *, seq_len: 
         raise ShardMismatch(f"rows hold {sorted(lengths)} tokens, the run expects seq_len + 1 = {seq_len + 1}. "
                             f"Fix: tokenize with seq_len={seq_len}, or pass the table's seq_len")
     return _write_index(folder, files, seq_len, tokenizer)
+
+
+def spark_path(path: Path) -> str:
+    """``path`` as Spark must be told it so that this process sees the same files: a ``/Volumes/...`` path as it is
+    (Databricks maps it to the volume), any other folder as a ``file://`` URI (on Databricks a bare path would mean
+    DBFS, which this process does not see as files). A ``file://`` folder must be on storage every node shares:
+    on a cluster of several nodes, use a volume."""
+    text = str(path)
+    return text if text.startswith("/Volumes/") else Path(path).resolve().as_uri()
 
 
 def _write_index(folder: Path, files: list[str], seq_len: int, tokenizer: str) -> dict[str, Any]:

@@ -302,9 +302,10 @@ def register(model_uri: str, name: str, alias: str | None = None, registry_uri: 
 
     if registry_uri:
         mlflow.set_registry_uri(registry_uri)
-        if registry_uri.startswith("databricks-uc") and name.count(".") != 2:
-            raise TrackingError(f"{name!r} is not a Unity Catalog model name. Fix: catalog.schema.model "
-                                "(dtlab.tracking.registry_name(name, catalog, schema))")
+    if (mlflow.get_registry_uri() or "").startswith("databricks-uc") and name.count(".") != 2:
+        # MLflow 3 on Databricks registers in Unity Catalog by default
+        raise TrackingError(f"{name!r} is not a Unity Catalog model name, and the registry is Unity Catalog's. Fix: "
+                            "catalog.schema.model (dtlab.tracking.registry_name(name, catalog, schema))")
     info = mlflow.models.get_model_info(model_uri)
     if info.signature is None:
         raise TrackingError(f"{model_uri} was logged without a signature, and a model registered in Unity Catalog "
