@@ -119,3 +119,26 @@ def test_a_barrier_stage_larger_than_the_task_slots_is_refused_with_the_fix():
             spark.require_slots(session, 3)
     finally:
         spark.stop(session)
+
+
+def test_deepspeed_torch_distributor_builds_a_torchrun_command_with_the_config_for_the_script(tmp_path):
+    """PySpark's own command builder (3.5 and 4.x): ``torch.distributed.run`` launches the script, and
+    ``--deepspeed --deepspeed_config <file>`` come after it, as the script's arguments (notebook 20 reads them)."""
+    import sys
+
+    from pyspark.ml.deepspeed.deepspeed_distributor import DeepspeedTorchDistributor
+
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    command = DeepspeedTorchDistributor._create_torchrun_command(
+        {"local_mode": True, "num_processes": 2, "deepspeed_config": config}, "train.py", 7)
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nproc_per_node=2" in command and "--standalone" in command
+    script = command.index("train.py")
+    assert command[script + 1:script + 4] == ["7", "--deepspeed", "--deepspeed_config"]
+    assert json.loads(open(command[-1]).read()) == config
+    (tmp_path / "ds.json").write_text("{}")
+    by_path = DeepspeedTorchDistributor._create_torchrun_command(
+        {"local_mode": True, "num_processes": 4, "deepspeed_config": str(tmp_path / "ds.json")}, "train.py")
+    assert by_path[-2:] == ["--deepspeed_config", str(tmp_path / "ds.json")] and "--nproc_per_node=4" in by_path
+    assert DeepspeedTorchDistributor._create_torchrun_command(
+        {"local_mode": True, "num_processes": 1, "deepspeed_config": None}, "train.py")[-1] == "--deepspeed"
