@@ -63,6 +63,12 @@ BROKEN = {
     "bundle_wheel_without_artifact.yml": ["tasks[0].libraries[0].whl: ./dist/*.whl is built by no artifact",
                                           "Runtime 13.3 or later", "it runs 12.2"],
     "bundle_bad_artifact.yml": ["artifacts.dtlab.buld", "did you mean 'build'?", "artifacts.dtlab.type: 'wheel'"],
+    "shared_init_script.yml": ["init_scripts[0].workspace.destination: /Workspace/Shared/dtlab/clusters/init/",
+                               "runs as root on every node", "spark_env_vars.DTLAB_SOURCE: /Workspace/Shared/dtlab",
+                               "Fix: a Unity Catalog volume (/Volumes/"],
+    "bundle_shared_paths.yml": ["workspace.root_path: /Shared/.bundle/shared", "${workspace.current_user.userName}",
+                                "new_cluster.init_scripts[0].dbfs: an init script on DBFS",
+                                "resources.experiments.course.name: /Shared/dtlab-course"],
 }
 
 
@@ -248,3 +254,42 @@ def test_a_gpu_amount_other_than_1_is_refused_with_what_pyspark_does_with_it(amo
     spec["spark_conf"]["spark.task.resource.gpu.amount"] = amount
     (problem,) = clusters.cluster_problems(spec)
     assert says in problem and 'Fix: spark.task.resource.gpu.amount: "1"' in problem
+
+
+def test_shared_folders_are_told_apart_from_personal_ones():
+    from dtlab.tooling.clusters import sharing
+
+    for path in ("/Shared/dtlab", "/Workspace/Shared/dtlab/x.sh", "dbfs:/init/x.sh", "/Shared"):
+        assert sharing.is_shared(path), path
+    for path in ("/Workspace/Users/me@example.com/dtlab", "/Volumes/main/dtlab/files", "/Shared-not/x",
+                 "${workspace.file_path}/clusters/init/install-dtlab.sh", None, 3):
+        assert not sharing.is_shared(path), path
+
+
+@pytest.mark.slow
+def test_the_init_script_installs_the_newest_wheel_in_a_folder_and_names_the_fix_for_an_empty_one(tmp_path):
+    """As on a cluster whose DTLAB_SOURCE is a volume folder: the newest dtlab-*.whl there is installed, without
+    dependencies and without building; a folder with neither a wheel nor the repository fails with the fix."""
+    import os
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(volume), str(ROOT)], check=True, timeout=300, capture_output=True)
+    script = ROOT / "clusters" / "init" / "install-dtlab.sh"
+    env = {"PATH": os.environ["PATH"], "DTLAB_PIP": str(venv / "bin" / "pip"), "DTLAB_SOURCE": str(volume),
+           "PIP_NO_INDEX": "1"}                                  # nothing may come from an index
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "dtlab: installing " + str(volume) in out.stdout and "installed" in out.stdout
+    shown = subprocess.run([str(venv / "bin" / "pip"), "show", "dtlab"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "Name: dtlab" in shown.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = subprocess.run(["bash", str(script)], env={**env, "DTLAB_SOURCE": str(empty)}, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and "Fix: build the wheel" in out.stderr and "dist/dtlab-*.whl" in out.stderr

@@ -3,8 +3,12 @@
 #
 # Referenced by the cluster definitions in clusters/*.yml and by the job cluster in databricks.yml
 # (init_scripts -> workspace -> destination). It reads, from the cluster's spark_env_vars:
-#   DTLAB_SOURCE     where dtlab is: a workspace folder holding this repository (a Git folder or a
-#                    `databricks sync` copy), or a pip URL such as git+https://github.com/<you>/dtlab.git@main.
+#   DTLAB_SOURCE     where dtlab is: a Unity Catalog volume folder holding the wheel you built
+#                    (`python3 -m pip wheel --no-deps -w dist .`, copied there; the newest dtlab-*.whl is
+#                    installed), a workspace folder holding this repository (a Git folder or a `databricks
+#                    sync` copy, in your own user folder), or a pip URL such as git+https://github.com/<you>/dtlab.git@main.
+#                    Never a folder every workspace user can write (/Shared, /Workspace/Shared, DBFS): this
+#                    script runs as root; `dtlab clusters validate` refuses such paths.
 #                    Unset (the bundle's job cluster): dtlab comes as the tasks' library, the wheel the
 #                    bundle builds, and this script installs only the optional tools.
 #                    Reading a workspace folder from an init script is supported from Databricks Runtime
@@ -48,20 +52,33 @@ case "$DTLAB_SOURCE" in
   *)
     src="$DTLAB_SOURCE"
     # Bundles and older CLIs write workspace paths with or without the /Workspace mount prefix.
-    [[ -d "$src" || "$src" == /Workspace/* ]] || src="/Workspace${src}"
-    if [[ ! -f "$src/pyproject.toml" ]]; then
-      echo "dtlab: no pyproject.toml in ${src}. Fix: put this repository there (a Git folder, or" \
-           "databricks sync . ${src}), or set DTLAB_SOURCE in the cluster's spark_env_vars." >&2
+    [[ -e "$src" || "$src" == /Workspace/* || "$src" == /Volumes/* ]] || src="/Workspace${src}"
+    wheel=""
+    if [[ -f "$src" && "$src" == *.whl ]]; then
+      wheel="$src"
+    elif [[ -d "$src" ]]; then   # the newest dtlab wheel in the folder (a volume), if any
+      wheel="$(find "$src" -maxdepth 1 -name 'dtlab-*.whl' -printf '%T@ %p\n' | sort -n | tail -1 | cut -d' ' -f2-)"
+    fi
+    if [[ -n "$wheel" ]]; then
+      # A wheel: nothing to build, nothing downloaded.
+      echo "dtlab: installing ${wheel}"
+      "$PIP" install --quiet --no-deps "$wheel"
+      echo "dtlab: installed"
+    elif [[ -f "$src/pyproject.toml" ]]; then
+      # Build from a local copy: pip writes build files next to the source, and the workspace
+      # folder is shared by every node (and may be read-only to this script).
+      build="$(mktemp -d)"
+      trap 'rm -rf "$build"' EXIT
+      cp -r "$src/pyproject.toml" "$src/README.md" "$src/dtlab" "$build/"
+      echo "dtlab: installing from ${src}"
+      "$PIP" install --quiet --no-deps --no-build-isolation "$build"
+      echo "dtlab: installed"
+    else
+      echo "dtlab: neither a dtlab wheel nor pyproject.toml in ${src}. Fix: build the wheel (python3 -m pip wheel" \
+           "--no-deps -w dist .) and copy dist/dtlab-*.whl there, or put this repository there (a Git folder)," \
+           "or set DTLAB_SOURCE in the cluster's spark_env_vars." >&2
       exit 1
     fi
-    # Build from a local copy: pip writes build files next to the source, and the workspace
-    # folder is shared by every node (and may be read-only to this script).
-    build="$(mktemp -d)"
-    trap 'rm -rf "$build"' EXIT
-    cp -r "$src/pyproject.toml" "$src/README.md" "$src/dtlab" "$build/"
-    echo "dtlab: installing from ${src}"
-    "$PIP" install --quiet --no-deps --no-build-isolation "$build"
-    echo "dtlab: installed"
     ;;
 esac
 

@@ -15,6 +15,8 @@ package checks the course's files offline, in two layers, one concern per file:
 * ``bundle.py`` — the bundle ``databricks.yml``: declared variables, tasks, job clusters,
   notebooks and their parameters (a notebook's ``nprocs`` may not exceed its node's GPUs); and no
   literal credentials in any file (only ``{{secrets/scope/key}}``).
+* ``sharing.py`` — no init script, code source or bundle folder where every workspace user can write
+  (``/Shared``, ``/Workspace/Shared``, DBFS): a Unity Catalog volume or your own folder instead.
 * ``files.py`` — ``load``, ``validate``, ``check`` one file; ``find_root``, ``default_paths``.
 * ``offer.py`` — ``offers``: what a cluster file gives a job (nodes, GPUs, memory, bandwidths).
 * ``problems.py`` — how a problem is worded, and ``ClusterConfigError``.
@@ -32,8 +34,9 @@ from dtlab.tooling.clusters.offer import Offer, offers
 from dtlab.tooling.clusters.problems import ClusterConfigError
 from dtlab.tooling.clusters.rules import GPU_NODE_TYPES, NodeType, cluster_problems, is_single_node, node_type
 from dtlab.tooling.clusters.schema import BUNDLES_PIN, schema_problems
+from dtlab.tooling.clusters.sharing import shared_path_problems
 
 __all__ = ["BUNDLES_PIN", "GPU_NODE_TYPES", "ClusterConfigError", "NodeType", "Offer", "bundle_notes", "check",
            "cluster_problems",
            "default_paths", "find_root", "is_single_node", "load", "node_type", "offers", "schema_problems",
-           "validate"]
+           "shared_path_problems", "validate"]

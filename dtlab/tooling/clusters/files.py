@@ -1,7 +1,8 @@
 """Reading and checking files: ``load``, ``validate``, ``check``; and finding the repository's files.
 
 ``validate`` reads a cluster file or a bundle and runs both layers (``schema``: the strict models;
-``rules`` / ``bundle``: the course's rules), plus the credential scan, on it.
+``rules`` / ``bundle``: the course's rules), plus the credential scan and the shared-folder scan
+(``sharing``), on it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dtlab.tooling.clusters.bundle import bundle_problems, secret_problems
 from dtlab.tooling.clusters.problems import ClusterConfigError
 from dtlab.tooling.clusters.rules import cluster_problems
 from dtlab.tooling.clusters.schema import model_problems, strict_models
+from dtlab.tooling.clusters.sharing import shared_path_problems
 
 
 def load(path: str | Path) -> Any:
@@ -66,7 +68,7 @@ def validate(path: str | Path) -> list[str]:
         problems = bundle_problems(doc, path)
     else:
         problems = model_problems(Cluster, doc, "") or cluster_problems(doc)
-    problems += secret_problems(doc)
+    problems += secret_problems(doc) + shared_path_problems(doc)
     return [f"{path}: {p}" for p in problems]
 
 
