@@ -113,3 +113,24 @@ def test_the_validator_and_the_planner_read_hardware():
     assert states(a100) == states(a10g)
     assert [r["fits"] for r in a100.priced] != [r["fits"] for r in a10g.priced]  # 40 GB vs 24 GB per GPU
     assert hardware.DEFAULT_CLUSTER in hardware.CLUSTERS
+
+
+def test_the_g6_and_g6e_families_are_known_with_their_datasheets_dense_peaks():
+    """L4 and L40S: NVIDIA's datasheets give bf16 tensor peaks with sparsity (242 and 733 TFLOPS): dense is half."""
+    for name, gpu, sparse in (("g6.12xlarge", "L4", 242), ("g6e.12xlarge", "L40S", 733)):
+        node = hardware.node(name)
+        assert node.gpu_type is hardware.gpu(gpu) and node.gpus == 4 and "no NVLink" in node.interconnect
+        assert abs(hardware.gpu(gpu).bf16_tflops - sparse / 2) <= 0.02 * sparse / 2
+    assert hardware.gpu("L40S").memory_bytes > 1.9 * hardware.gpu("L4").memory_bytes       # 48 GB against 24 GB
+    assert hardware.cluster("g6e.12xlarge x2").gpus == 8
+
+
+def test_p3_is_marked_as_being_retired_and_the_validator_refuses_it_naming_a_current_type():
+    from dtlab.tooling import clusters
+
+    assert all(n.retiring for name, n in hardware.NODE_TYPES.items() if name.startswith("p3."))
+    assert not any(n.retiring for name, n in hardware.NODE_TYPES.items() if not name.startswith("p3."))
+    problems = clusters.cluster_problems({"node_type_id": "p3.8xlarge", "spark_version": "17.3.x-gpu-ml-scala2.13",
+                                          "num_workers": 2, "autotermination_minutes": 30,
+                                          "spark_conf": {"spark.task.resource.gpu.amount": "1"}})
+    assert any("node_type_id: p3.8xlarge" in p and "AWS retires" in p and "Fix: g6e" in p for p in problems), problems

@@ -98,6 +98,12 @@ GPUS: dict[str, GPU] = {
     # NVIDIA H100 datasheet (SXM5 80GB, as in p5): 1,979 TFLOPS bf16/fp16 tensor with sparsity = 989
     # dense; 67 TFLOPS fp32. nvidia-smi: 81,559 MiB.
     "H100": GPU("H100", 81_559 * MiB, 80, True, 989.0, 989.0, 67.0),
+    # NVIDIA L4 datasheet (as in g6): 24 GB GDDR6; 242 TFLOPS bf16/fp16 tensor with sparsity = 121 dense;
+    # 30.3 TFLOPS fp32. nvidia-smi: 23,034 MiB.
+    "L4": GPU("L4", 23_034 * MiB, 24, True, 121.0, 121.0, 30.3),
+    # NVIDIA L40S datasheet (as in g6e): 48 GB GDDR6 with ECC; 733 TFLOPS bf16/fp16 tensor (fp32 accumulate)
+    # with sparsity = 366 dense (the datasheet's dense figure: 362.05); 91.6 TFLOPS fp32. nvidia-smi: 46,068 MiB.
+    "L40S": GPU("L40S", 46_068 * MiB, 48, True, 362.0, 362.0, 91.6),
 }
 
 
@@ -120,6 +126,7 @@ class NodeType:
     network_gbps: float
     intra_node_gbs: float
     interconnect: str
+    retiring: str = ""    # why a new cluster should not use it (being retired), with the source; "" when current
 
     @property
     def gpu_type(self) -> GPU:
@@ -148,8 +155,14 @@ class NodeType:
 
 
 #: AWS GPU instance types the course knows. Sources: the AWS instance-type pages
-#: (aws.amazon.com/ec2/instance-types/g4/, /g5/, /p3/, /p4/, /p5/): GPUs, vCPUs, memory (GiB), network.
+#: (aws.amazon.com/ec2/instance-types/g4/, /g5/, /g6/, /g6e/, /p3/, /p4/, /p5/): GPUs, vCPUs, memory (GiB), network.
 #: Columns: name, GPUs, GPU, vCPUs, memory GiB, network Gbps, GPU-to-GPU GB/s (planning), interconnect.
+#: g6 (L4) and g6e (L40S) have no NVLink: their GPUs talk over PCIe Gen4 like g5's, so they get g5's planning
+#: figure (10 GB/s, measured on g5 by notebook 08's model; not measured on g6 or g6e). g6e.xlarge's network is AWS's
+#: "up to" figure (20 Gbps; only its 2.5 Gbps baseline was confirmed here).
+_P3_RETIRING = ("Databricks no longer supports creating compute on P3, as AWS retires these instances (Databricks, "
+                "\"GPU-enabled compute\", docs.databricks.com/aws/en/compute/gpu; AWS asked users to migrate off P3 by "
+                "December 20, 2025). Fix: g6e (L40S), p4d (A100) or p5 (H100)")
 NODE_TYPES: dict[str, NodeType] = {n.name: n for n in [
     NodeType("g4dn.xlarge", 1, "T4", 4, 16, 25, 0.0, "single GPU"),
     NodeType("g4dn.12xlarge", 4, "T4", 48, 192, 50, 8.0, "PCIe Gen3"),
@@ -157,9 +170,15 @@ NODE_TYPES: dict[str, NodeType] = {n.name: n for n in [
     NodeType("g5.12xlarge", 4, "A10G", 48, 192, 40, 10.0, "PCIe Gen4, no NVLink"),
     NodeType("g5.24xlarge", 4, "A10G", 96, 384, 50, 10.0, "PCIe Gen4, no NVLink"),
     NodeType("g5.48xlarge", 8, "A10G", 192, 768, 100, 10.0, "PCIe Gen4, no NVLink"),
-    NodeType("p3.2xlarge", 1, "V100", 8, 61, 10, 0.0, "single GPU"),
-    NodeType("p3.8xlarge", 4, "V100", 32, 244, 10, 150.0, "NVLink 2"),
-    NodeType("p3.16xlarge", 8, "V100", 64, 488, 25, 150.0, "NVLink 2"),
+    NodeType("g6.xlarge", 1, "L4", 4, 16, 10, 0.0, "single GPU"),
+    NodeType("g6.12xlarge", 4, "L4", 48, 192, 40, 10.0, "PCIe Gen4, no NVLink"),
+    NodeType("g6.48xlarge", 8, "L4", 192, 768, 100, 10.0, "PCIe Gen4, no NVLink"),
+    NodeType("g6e.xlarge", 1, "L40S", 4, 32, 20, 0.0, "single GPU"),
+    NodeType("g6e.12xlarge", 4, "L40S", 48, 384, 100, 10.0, "PCIe Gen4, no NVLink"),
+    NodeType("g6e.48xlarge", 8, "L40S", 192, 1536, 400, 10.0, "PCIe Gen4, no NVLink"),
+    NodeType("p3.2xlarge", 1, "V100", 8, 61, 10, 0.0, "single GPU", _P3_RETIRING),
+    NodeType("p3.8xlarge", 4, "V100", 32, 244, 10, 150.0, "NVLink 2", _P3_RETIRING),
+    NodeType("p3.16xlarge", 8, "V100", 64, 488, 25, 150.0, "NVLink 2", _P3_RETIRING),
     NodeType("p4d.24xlarge", 8, "A100", 96, 1152, 400, 300.0, "NVSwitch"),
     NodeType("p5.48xlarge", 8, "H100", 192, 2048, 3200, 450.0, "NVSwitch"),
 ]}

@@ -11,6 +11,7 @@
 * **process counts**: the optional tag ``custom_tags.dtlab_processes`` must equal what the cluster
   offers: the node's GPUs on a single node (``local_mode=True``), ``num_workers x GPUs per node``
   on a multi-node cluster (``local_mode=False``);
+* a node type being retired (``NodeType.retiring``: P3) is refused, naming a current one;
 * spot clusters keep an on-demand driver (``first_on_demand >= 1``); all-purpose clusters set
   ``autotermination_minutes``.
 """
@@ -75,6 +76,8 @@ def cluster_problems(spec: dict, where: str = "", all_purpose: bool = True) -> l
         problems.append(f"{at('node_type_id')}: {node_id!r} is a GPU instance type dtlab does not know. "
                         f"Fix: {suggest(node_id, list(GPU_NODE_TYPES))} "
                         "(or add it to dtlab.planner.hardware.NODE_TYPES)")
+    if gpu and gpu.retiring:
+        problems.append(f"{at('node_type_id')}: {node_id}: {gpu.retiring}")
     if gpu and not unresolved and "-gpu-ml-" not in runtime:
         problems.append(f"{at('spark_version')}: {runtime!r} has no CUDA libraries, but {node_id} is a GPU node. "
                         "Fix: a GPU ML runtime, e.g. spark_version: 15.4.x-gpu-ml-scala2.12")
