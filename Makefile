@@ -1,8 +1,9 @@
 # The course's two commands:  make course  (run every notebook)   make test  (run the test suite).
 # make site: the newest run as a website in site/.
 # Both set up .venv first (idempotent; the first run builds Horovod and DeepSpeed ops, cached).
-# make test-runtime: the learner's Databricks Runtime 15.4 LTS ML stack in .venv-dbr15.4, every notebook
-# as a simulated Databricks job task, and the tests marked `cluster` (code a cluster runs).
+# make test-runtime RUNTIME=17.3 (the default) or RUNTIME=15.4: that Databricks Runtime LTS ML's stack in
+# .venv-dbr<RUNTIME>, the notebooks whose second run belongs to it as simulated Databricks job tasks
+# (tests/variants.py), and the tests marked `cluster` (code a cluster runs). CI runs both.
 # make test-quick: the inner loop (no notebooks, nothing marked `slow`).
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,8 @@ export OMP_NUM_THREADS ?= 1
 export PYSPARK_PYTHON := $(abspath $(PY))
 export SPARK_LOCAL_IP ?= 127.0.0.1
 
-RUNTIME_VENV ?= .venv-dbr15.4
+RUNTIME ?= 17.3
+RUNTIME_VENV ?= .venv-dbr$(RUNTIME)
 RPY := $(RUNTIME_VENV)/bin/python
 
 .PHONY: setup setup-runtime course site test test-quick test-runtime lint clean
@@ -42,9 +44,10 @@ test-quick: setup
 	  --ignore=tests/runtime -q $(PYTEST_ARGS)
 
 setup-runtime:
-	@bash scripts/setup_runtime.sh
+	@RUNTIME=$(RUNTIME) VENV=$(RUNTIME_VENV) bash scripts/setup_runtime.sh
 
 test-runtime: export PYSPARK_PYTHON := $(abspath $(RPY))
+test-runtime: export DTLAB_TEST_RUNTIME := $(RUNTIME)
 test-runtime: setup-runtime
 	@bash scripts/test_phases.sh $(RPY) "cluster and not runtime and not alone" "runtime or (cluster and alone)" tests $(PYTEST_ARGS)
 

@@ -4,11 +4,21 @@
 DeepSpeed: each patches one faulty call, of the versions that have the fault, when its module is loaded
 (at once if it already is).
 
-* **torch < 2.4, gloo: ``destroy_process_group`` can deadlock.** A gloo worker thread finishes its
-  last collective *after* the caller's ``wait()`` returned, and then needs the GIL to clean up;
-  ``destroy_process_group`` holds the GIL while it joins that thread. On torch 2.3.1 (Databricks
-  Runtime 15.4 LTS ML) 9 of 15 two-process launches hung here; letting go of the GIL for 50 ms first
-  lets the thread finish (0 of 20 hung). Newer torch does not need it (0 of 10 without it).
+* **torch before 2.13, gloo: ``destroy_process_group`` can deadlock.** A gloo worker thread finishes its
+  last collective *after* the caller's ``wait()`` returned, and then needs the GIL to clean up (to free
+  the tensors of an all-gather's work); ``destroy_process_group`` holds the GIL while it joins that
+  thread (``~ProcessGroupGloo``). On torch 2.3.1 (Databricks Runtime 15.4 LTS ML) 9 of 15 two-process
+  launches hung here, and on torch 2.7.0 (17.3 LTS ML) tests of FSDP and of asynchronous checkpoints hung
+  the same way; letting go of the GIL for 50 ms first lets the thread finish (0 of 20 hung on 2.3.1).
+  torch 2.13 does not need it (0 of 10 without it); the versions in between were not measured, so they
+  get it too (``GLOO_DESTROY_FIXED``).
+* **torch before 2.13, gloo: averaging collectives.** ``reduce_scatter_tensor(op=AVG)`` on a gloo group
+  returns the sum, silently (pytorch/pytorch#162338), and ``all_reduce(op=AVG)`` raises "Cannot use
+  ReduceOp.AVG with Gloo" before 2.8 (#149781). FSDP2 asks for AVG for fp32 and bf16 gradients (HSDP for its
+  all-reduce too), so on CPU processes with torch 2.7.0 (Databricks Runtime 17.3 LTS ML) FSDP2 on 2 gloo ranks
+  left one process's weights at the first step and HSDP failed; on 2.13 both match it bit for bit. Where the
+  group is gloo and the tensor is on the CPU, dtlab asks for SUM and divides by the group's size, as the fix in
+  torch does (#162344); every other call is untouched.
 * **DeepSpeed's ZeRO-3 reduce-scatter pads with ``torch.empty``.** ``reduce_scatter_coalesced``
   (``deepspeed/runtime/comm/coalesced_collectives.py``, 0.14.4 and 0.19.8 alike) pads each gradient to a
   multiple of the world size with uninitialised memory, which is summed with the other ranks' padding:
@@ -46,12 +56,17 @@ def _version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-# --- torch < 2.4: destroy_process_group --------------------------------------------------------------
+# --- torch before GLOO_DESTROY_FIXED: destroy_process_group ------------------------------------------
+
+#: The first torch measured not to deadlock in ``destroy_process_group`` after gloo collectives (see above).
+GLOO_DESTROY_FIXED = (2, 13)
+
 
 def _patch_destroy_process_group(c10d: types.ModuleType) -> None:
-    """Release the GIL for 50 ms before ``destroy_process_group`` on torch < 2.4 (``c10d``: distributed_c10d)."""
+    """Release the GIL for 50 ms before ``destroy_process_group`` on torch before ``GLOO_DESTROY_FIXED``
+    (``c10d``: distributed_c10d)."""
     original = getattr(c10d, "destroy_process_group", None)
-    if original is None or getattr(original, "_dtlab", False) or _version() >= (2, 4):
+    if original is None or getattr(original, "_dtlab", False) or _version() >= GLOO_DESTROY_FIXED:
         return
 
     @functools.wraps(original)
@@ -64,6 +79,50 @@ def _patch_destroy_process_group(c10d: types.ModuleType) -> None:
     package = sys.modules.get("torch.distributed")
     if package is not None and getattr(package, "destroy_process_group", None) is original:
         package.destroy_process_group = destroy_process_group   # already re-exported: replace it there too
+
+
+def _patch_gloo_average(c10d: types.ModuleType) -> None:
+    """Make ``reduce_scatter_tensor(op=AVG)`` on a gloo group average (SUM, then divide) on torch before
+    ``GLOO_DESTROY_FIXED`` (measured wrong on 2.7.0, right on 2.13)."""
+    original = getattr(c10d, "reduce_scatter_tensor", None)
+    if original is None or getattr(original, "_dtlab", False) or _version() >= GLOO_DESTROY_FIXED:
+        return
+
+    @functools.wraps(original)
+    def reduce_scatter_tensor(output, input, op=c10d.ReduceOp.SUM, group=None, async_op=False):
+        if op == c10d.ReduceOp.AVG and input.device.type == "cpu" and "gloo" in str(c10d.get_backend(group)):
+            work = original(output, input, op=c10d.ReduceOp.SUM, group=group, async_op=async_op)
+            if work is not None:
+                work.wait()
+            output.div_(c10d.get_world_size(group))
+            return work
+        return original(output, input, op=op, group=group, async_op=async_op)
+
+    original_all_reduce = c10d.all_reduce
+
+    @functools.wraps(original_all_reduce)
+    def all_reduce(tensor, op=c10d.ReduceOp.SUM, group=None, async_op=False):
+        if op == c10d.ReduceOp.AVG and tensor.device.type == "cpu" and "gloo" in str(c10d.get_backend(group)):
+            work = original_all_reduce(tensor, op=c10d.ReduceOp.SUM, group=group, async_op=async_op)
+            if work is not None:
+                work.wait()
+            tensor.div_(c10d.get_world_size(group))
+            return work
+        return original_all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    package = sys.modules.get("torch.distributed")
+    for name, patched, was in (("reduce_scatter_tensor", reduce_scatter_tensor, original),
+                               ("all_reduce", all_reduce, original_all_reduce)):
+        patched._dtlab = True
+        setattr(c10d, name, patched)
+        if package is not None and getattr(package, name, None) is was:
+            setattr(package, name, patched)
+
+
+def _patch_c10d(c10d: types.ModuleType) -> None:
+    """The work-arounds for ``torch.distributed.distributed_c10d``."""
+    _patch_destroy_process_group(c10d)
+    _patch_gloo_average(c10d)
 
 
 # --- DeepSpeed: zero padding in ZeRO-3's coalesced reduce-scatter -------------------------------------
@@ -146,7 +205,7 @@ def _padding_is_zeroed(module: types.ModuleType) -> bool:
 
 #: Module name -> the patch to apply to it once it is loaded.
 PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
-    "torch.distributed.distributed_c10d": _patch_destroy_process_group,
+    "torch.distributed.distributed_c10d": _patch_c10d,
     "deepspeed.runtime.comm.coalesced_collectives": _zero_deepspeed_padding,
 }
 

@@ -130,13 +130,17 @@ def plan(backend: str | None = None, nprocs: int | None = None, device: str | No
     return Plan(backend=backend, device=device, nprocs=nprocs, reason=reason)
 
 
-#: Library versions of the Databricks runtimes the course targets, as shipped (requirements-dbr15.4.txt
-#: pins the same, with its sources; tests/test_environment.py checks they agree). ``dtlab env`` on a
+#: Library versions of the Databricks runtimes the course targets, as shipped (requirements-dbr<runtime>.txt
+#: pins the same, with their sources; tests/test_environment.py checks they agree). ``dtlab env`` on a
 #: cluster reports any installed version that differs: usually requirements.txt installed over the runtime.
+#: (17.3's MLflow is mlflow-skinny 3.0.1: the ``mlflow`` distribution there is that one.)
 DATABRICKS_RUNTIME_STACKS: dict[str, dict[str, str]] = {
     "15.4": {"torch": "2.3.1", "pyspark": "3.5.0", "mlflow": "2.13.1", "numpy": "1.23.5", "pandas": "1.5.3",
              "pyarrow": "14.0.1", "ipywidgets": "7.7.2", "cloudpickle": "2.2.1", "matplotlib": "3.7.2",
-             "scikit-learn": "1.3.0", "horovod": "0.28.1"},
+             "scikit-learn": "1.3.0", "horovod": "0.28.1", "deepspeed": "0.14.4", "transformers": "4.41.2"},
+    "17.3": {"torch": "2.7.0", "pyspark": "4.0.0", "mlflow": "3.0.1", "numpy": "2.1.3", "pandas": "2.2.3",
+             "pyarrow": "19.0.1", "ipywidgets": "7.8.1", "cloudpickle": "3.0.0", "matplotlib": "3.10.0",
+             "scikit-learn": "1.6.1", "deepspeed": "0.16.5", "transformers": "4.51.3"},
 }
 
 

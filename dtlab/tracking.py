@@ -9,8 +9,8 @@ Where runs go (``default_uri``):
 
 * ``MLFLOW_TRACKING_URI`` if it is set (MLflow 3's ``set_tracking_uri`` sets it too, so the
   last store used in this process stays the default);
-* ``databricks`` on Databricks (experiments are workspace paths, ``/Shared/dtlab-<name>``: MLflow
-  refuses an experiment whose parent folder does not exist, and ``/Shared`` exists in every workspace);
+* ``databricks`` on Databricks (experiments are workspace paths, ``/Users/<you>/dtlab-<name>``: your own
+  folder, which every workspace has for every user, never ``/Shared``, which all users can change);
 * otherwise a SQLite file ``mlflow.db`` in the current folder, artifacts beside it.
 
 ``local_server`` starts an MLflow tracking server bound to 127.0.0.1 for a UI or for
@@ -62,12 +62,41 @@ def default_uri(directory: str | os.PathLike = ".") -> str:
 def experiment_path(name: str) -> str:
     """Databricks needs workspace paths for experiments; elsewhere the name is used as is.
 
-    On Databricks a bare name becomes ``/Shared/dtlab-<name>``: the workspace refuses to create an
-    experiment in a folder that does not exist (``RESOURCE_DOES_NOT_EXIST``), and of the folders a
-    fresh workspace has, ``/Shared`` is the one every user may write to. A name that already is a
-    path (``/Users/you@example.com/my-exp``) is used as given: its folder must exist.
+    On Databricks a bare name becomes ``/Users/<you>/dtlab-<name>``, in the folder of the user (or service
+    principal) the notebook or job runs as (``databricks_user``): the workspace refuses to create an
+    experiment in a folder that does not exist (``RESOURCE_DOES_NOT_EXIST``), every identity has its own
+    folder, and in a workspace shared with colleagues nobody else can change its runs (``/Shared``, which
+    every user may write to, is not used). A name that already is a path (``/Users/you@example.com/my-exp``,
+    ``/Shared/team/exp``) is used as given: its folder must exist.
     """
-    return f"/Shared/dtlab-{name}" if on_databricks() and not name.startswith("/") else name
+    return f"/Users/{databricks_user()}/dtlab-{name}" if on_databricks() and not name.startswith("/") else name
+
+
+def databricks_user() -> str:
+    """The workspace user name (or service principal's application id) this notebook or job runs as.
+
+    ``DTLAB_DATABRICKS_USER`` when set (``worker_env`` passes it to launched workers); otherwise the
+    workspace's answer to "who am I" (SCIM ``/api/2.0/preview/scim/v2/Me``) with ``databricks_credentials()``,
+    remembered in ``DTLAB_DATABRICKS_USER`` for this process and the ones it starts.
+
+    Raises:
+        TrackingError: the workspace cannot be asked, naming the fix.
+    """
+    import json
+
+    if os.environ.get("DTLAB_DATABRICKS_USER"):
+        return os.environ["DTLAB_DATABRICKS_USER"]
+    host, token = databricks_credentials()
+    request = urllib.request.Request(f"{host}/api/2.0/preview/scim/v2/Me", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            name = json.loads(response.read())["userName"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+        raise TrackingError(f"cannot ask the workspace who runs this ({exc}), to put experiments in your folder. Fix: "
+                            "name the experiment with its full path, e.g. /Users/<you>/<name>, or set "
+                            "DTLAB_DATABRICKS_USER") from None
+    os.environ["DTLAB_DATABRICKS_USER"] = name
+    return name
 
 
 def check_uri(uri: str, timeout: float = 3.0) -> str:
@@ -388,6 +417,7 @@ def worker_env(uri: str | None = None) -> dict[str, str]:
     env = {"MLFLOW_TRACKING_URI": uri}
     if uri.startswith("databricks"):
         env["DATABRICKS_HOST"], env["DATABRICKS_TOKEN"] = databricks_credentials()
+        env["DTLAB_DATABRICKS_USER"] = databricks_user()
     return env
 
 

@@ -1,28 +1,47 @@
 #!/usr/bin/env bash
-# Set up Databricks Runtime 15.4 LTS ML's Python stack as a second test target, idempotently:
-# ${VENV:-.venv-dbr15.4} with requirements-dbr15.4.txt (torch 2.3.1, MLflow 2.13.1, PySpark 3.5.0,
-# numpy 1.23.5, pandas 1.5.3, ...) and dtlab, Horovod 0.28.1 and DeepSpeed 0.14.4 with its C++ ops
-# (each built once, cached as wheels next to the main stack's), a Jupyter kernel named python3.
-#   bash scripts/setup_runtime.sh   then  .venv-dbr15.4/bin/dtlab course run ... / .venv-dbr15.4/bin/python -m pytest
+# Set up a Databricks Runtime LTS ML Python stack as a test target, idempotently:
+#   RUNTIME=17.3 bash scripts/setup_runtime.sh     (or 15.4; `make test-runtime RUNTIME=...` calls this)
+# ${VENV:-.venv-dbr$RUNTIME} with requirements-dbr$RUNTIME.txt (that runtime's library versions, each with its
+# source) and dtlab, DeepSpeed with its C++ ops and, where the runtime has it (15.4 only), Horovod (each built
+# once, cached as wheels next to the main stack's), and a Jupyter kernel named python3. The requirements file's
+# first lines say which Python, DeepSpeed and Horovod the runtime has ("# python: 3.11", ...).
+#   then  .venv-dbr15.4/bin/dtlab course run ... / .venv-dbr15.4/bin/python -m pytest
 # (not `VENV=.venv-dbr15.4 make ...`: make's setup target would install the main stack into it).
-# A second run installs and builds nothing. Needs Python 3.11 (the runtime's); no GPU, no CUDA toolkit.
+# A second run installs and builds nothing. No GPU, no CUDA toolkit needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=${VENV:-.venv-dbr15.4}
-REQUIREMENTS=requirements-dbr15.4.txt
-# The runtime's DeepSpeed version is not in any source found; 0.14.4 is the last release before the
-# runtime's build (0.14.5 came out three days before its Aug 19, 2024 release) and supports torch 2.3.
-DEEPSPEED_VERSION=0.14.4
-PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+RUNTIME=${RUNTIME:-17.3}
+REQUIREMENTS=requirements-dbr$RUNTIME.txt
+VENV=${VENV:-.venv-dbr$RUNTIME}
 say() { printf '[runtime] %s\n' "$*"; }
 # shellcheck source=scripts/lib.sh
 source scripts/lib.sh
 start=$SECONDS
 
+if [ ! -f "$REQUIREMENTS" ]; then
+  known=""
+  for f in requirements-dbr*.txt; do f=${f#requirements-dbr}; known="$known ${f%.txt}"; done
+  say "no $REQUIREMENTS. Fix: RUNTIME= one of:$known"
+  exit 2
+fi
+# field NAME: the value of the requirements file's "# NAME: value" line.
+field() { sed -n "s/^# $1: *\([^ ]*\).*/\1/p" "$REQUIREMENTS" | head -1; }
+PY_VERSION=$(field python)
+DEEPSPEED_VERSION=$(field deepspeed)
+HOROVOD_VERSION=$(field horovod)      # "none" where the runtime has no Horovod (16.0 ML and later)
+# The runtime's Python: python3.X on PATH, or pyenv's build of it when the pyenv shim does not offer it.
+find_python() {
+  local p
+  for p in "${PYTHON:-}" "python$PY_VERSION" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$PY_VERSION".*/bin/python"$PY_VERSION"; do
+    if [ -n "$p" ] && "$p" -c 'import sys' >/dev/null 2>&1; then command -v "$p"; return 0; fi
+  done
+  return 1
+}
+
 if [ ! -x "$VENV/bin/python" ]; then
-  if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
-    say "$PYTHON is $("$PYTHON" --version 2>&1); Databricks Runtime 15.4 has Python 3.11: set PYTHON=python3.11"
+  if ! PYTHON=$(find_python) || ! "$PYTHON" -c "import sys; sys.exit(f'{sys.version_info[0]}.{sys.version_info[1]}' != '$PY_VERSION')"; then
+    say "no Python $PY_VERSION here; Databricks Runtime $RUNTIME has Python $PY_VERSION. Fix: install it (pyenv install $PY_VERSION) or set PYTHON=/path/to/python$PY_VERSION"
     exit 1
   fi
   say "creating $VENV with $("$PYTHON" --version 2>&1)"
@@ -46,7 +65,7 @@ else
   say "packages up to date ($VENV)"
 fi
 
-# DeepSpeed 0.14's CPU accelerator (this machine has no GPU) counts its "devices" with `numactl
+# DeepSpeed's CPU accelerator (0.14 and later; this machine has no GPU) counts its "devices" with `numactl
 # --hardware` (the deepspeed launcher and ZeRO-3 call it); on a GPU node it uses CUDA and never does.
 if ! command -v numactl >/dev/null; then
   say "installing numactl (Debian) for DeepSpeed 0.14's CPU accelerator"
@@ -57,12 +76,14 @@ if ! command -v numactl >/dev/null; then
 fi
 
 t=$SECONDS
-bash scripts/build_horovod.sh "$PY"
+if [ "$HOROVOD_VERSION" != none ]; then
+  bash scripts/build_horovod.sh "$PY"
+fi
 bash scripts/build_deepspeed.sh "$PY" "$DEEPSPEED_VERSION"
-say "horovod and deepspeed ready in $((SECONDS - t)) s"
+say "horovod ($HOROVOD_VERSION) and deepspeed $DEEPSPEED_VERSION ready in $((SECONDS - t)) s"
 
 if [ ! -f "$VENV/share/jupyter/kernels/python3/kernel.json" ]; then
   say "registering the Jupyter kernel 'python3' in $VENV"
-  "$PY" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (dtlab, DBR 15.4)" >/dev/null
+  "$PY" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (dtlab, DBR $RUNTIME)" >/dev/null
 fi
 say "ready in $((SECONDS - start)) s"

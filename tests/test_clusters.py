@@ -136,8 +136,9 @@ def test_the_process_tag_is_what_the_cluster_offers(path):
     assert int(spec["custom_tags"]["dtlab_processes"]) == clusters.offers(spec).processes
 
 
-#: Lessons the Databricks Runtime 15.4 LTS ML job cannot run, and why (said in databricks.yml too).
-NOT_ON_THE_JOBS_RUNTIME = {"17_ray_train": "Ray 2.60 would replace 15.4's pandas 1.5 / pyarrow 14 / packaging 23"}
+#: Lessons the course job does not run, and why (said in databricks.yml too).
+NOT_ON_THE_JOBS_RUNTIME = {"17_ray_train": "Ray 2.60 would replace 15.4's pandas 1.5 / pyarrow 14 / packaging 23",
+                           "05_horovod": "Horovod is on 15.4 LTS ML only: the job dtlab_horovod runs it there"}
 
 
 def test_the_job_runs_every_notebook_in_order():
@@ -155,13 +156,40 @@ def test_the_job_runs_every_notebook_in_order():
     assert {t["job_cluster_key"] for t in tasks} == {job["job_clusters"][0]["job_cluster_key"]}
     first, last = (int(s[:2]) for s in (stems[0], stems[-1]))
     assert f"{first:02d}-{last:02d}" in job["name"], f"the job's name says which lessons it runs: {job['name']}"
+    aside = sorted(nb[:2] for nb in NOT_ON_THE_JOBS_RUNTIME)
+    assert f"({' and '.join(aside)} aside)" in job["name"], job["name"]
+    header = (ROOT / "databricks.yml").read_text().split("\nbundle:")[0]
+    assert f"00 -> 20 ({' and '.join(aside)} aside)" in header, "the bundle's header names the same lessons"
+    readme = (ROOT / "clusters" / "README.md").read_text()
+    assert f"notebooks 00–20 ({' and '.join(aside)} aside)" in readme, "clusters/README.md names the same lessons"
+
+
+def test_the_horovod_lesson_has_a_job_on_the_last_runtime_with_horovod_and_the_course_defaults_to_the_newest():
+    doc = clusters.load(ROOT / "databricks.yml")
+    horovod = doc["resources"]["jobs"]["dtlab_horovod"]
+    (task,) = horovod["tasks"]
+    assert task["notebook_task"]["notebook_path"].endswith("05_horovod.ipynb") and task["libraries"]
+    runtime = horovod["job_clusters"][0]["new_cluster"]["spark_version"]
+    assert runtime == "${var.horovod_spark_version}"
+    assert doc["variables"]["horovod_spark_version"]["default"].startswith("15.4.x-gpu-ml-")
+    assert doc["variables"]["spark_version"]["default"].startswith("17.3.x-gpu-ml-")
+    assert doc["targets"]["dbr15_4"]["variables"]["spark_version"].startswith("15.4.x-gpu-ml-")
+
+
+def test_the_bundle_deploys_into_the_deployers_own_folder():
+    from dtlab.tooling.clusters.sharing import shared_path_problems
+
+    doc = clusters.load(ROOT / "databricks.yml")
+    assert doc["workspace"]["root_path"].startswith("/Workspace/Users/${workspace.current_user.userName}/")
+    assert all(t.get("mode") == "development" for t in doc["targets"].values())
+    assert shared_path_problems(doc) == []
 
 
 def test_every_task_installs_the_wheel_the_bundle_builds():
     """No init script reads workspace files to install dtlab: the bundle builds a wheel, every task installs it."""
     doc = clusters.load(ROOT / "databricks.yml")
     assert doc["artifacts"]["dtlab"]["type"] == "whl" and "pip wheel" in doc["artifacts"]["dtlab"]["build"]
-    tasks = doc["resources"]["jobs"]["dtlab_course"]["tasks"]
+    tasks = [t for job in doc["resources"]["jobs"].values() for t in job["tasks"]]
     assert all(t.get("libraries") == [{"whl": "./dist/*.whl"}] for t in tasks), [t["task_key"] for t in tasks
                                                                                  if not t.get("libraries")]
     env = doc["resources"]["jobs"]["dtlab_course"]["job_clusters"][0]["new_cluster"]["spark_env_vars"]
@@ -236,7 +264,7 @@ def test_node_facts_come_from_dtlab_hardware():
     four = clusters.offers(ROOT / "clusters" / "g5-12xlarge-4-nodes.yml")
     assert four.gpu_memory_bytes == hardware.gpu("A10G").memory_bytes == 23_028 * 2**20
     assert four.cluster.gpus == 16 and four.cluster.gpu is hardware.gpu("A10G") and four.cluster.nodes == 4
-    problems = clusters.cluster_problems({"node_type_id": "g6.12xlarge", "spark_version": "15.4.x-gpu-ml-scala2.12",
+    problems = clusters.cluster_problems({"node_type_id": "p5e.48xlarge", "spark_version": "15.4.x-gpu-ml-scala2.12",
                                           "num_workers": 2, "autotermination_minutes": 30})
     assert any("not know" in p and "dtlab.planner.hardware.NODE_TYPES" in p for p in problems), problems
 

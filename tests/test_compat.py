@@ -27,9 +27,12 @@ def _sweep_then_destroy():
 
 @pytest.mark.slow
 def test_destroying_a_gloo_group_right_after_collectives_does_not_deadlock():
-    """torch 2.3.1 (Databricks 15.4) hung in ~ProcessGroupGloo in 9 of 15 such launches without dtlab._compat."""
+    """torch 2.3.1 (Databricks 15.4) hung in ~ProcessGroupGloo in 9 of 15 such launches without dtlab._compat,
+    torch 2.7.0 (17.3) in FSDP and checkpoint tests."""
+    from dtlab._compat import GLOO_DESTROY_FIXED
+
     major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-    needed = (major, minor) < (2, 4)
+    needed = (major, minor) < GLOO_DESTROY_FIXED
     start = time.monotonic()
     for _ in range(8):  # the work-around is in place in the workers exactly where it is needed
         assert launch.run(_sweep_then_destroy, nprocs=2, timeout=60) == [(3, needed), (3, needed)]
@@ -76,8 +79,10 @@ def test_the_work_arounds_are_in_force_after_importing_any_dtlab_module_in_eithe
     out = subprocess.run([sys.executable, "-c", _PROBE, order], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
+    from dtlab._compat import GLOO_DESTROY_FIXED
+
     major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-    assert out.stdout.split()[-2:] == [str((major, minor) < (2, 4)), "True"], out.stdout
+    assert out.stdout.split()[-2:] == [str((major, minor) < GLOO_DESTROY_FIXED), "True"], out.stdout
 
 
 def test_import_dtlab_loads_neither_torch_nor_deepspeed():

@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -66,6 +67,13 @@ def test_report_names_versions_backends_and_plan():
     assert torch.__version__ in text and "course plan backend=" in text and "horovod" in text
 
 
+_RUNTIME = os.environ.get("DTLAB_TEST_RUNTIME")
+#: The stack under test has no Horovod (a Databricks runtime after 15.4): the tests that need one are skipped there.
+no_horovod = pytest.mark.skipif(bool(_RUNTIME) and "horovod" not in environment.DATABRICKS_RUNTIME_STACKS[_RUNTIME],
+                                reason=f"Databricks Runtime {_RUNTIME} ML has no Horovod: its stack does not build it")
+
+
+@no_horovod
 def test_horovod_reported_as_built_with_gloo():
     status = environment.horovod_status()
     assert status["installed"], status.get("problem")
@@ -82,6 +90,7 @@ def test_missing_horovod_is_reported_with_the_fix(monkeypatch):
         environment.require_horovod()
 
 
+@no_horovod
 def test_horovod_without_pytorch_support_is_reported(monkeypatch):
     monkeypatch.setitem(sys.modules, "horovod.torch", None)  # horovod imports, horovod.torch does not
     status = environment.horovod_status()
@@ -162,16 +171,23 @@ def test_console_scripts_are_found_beside_the_packages_not_only_on_path(tmp_path
     assert environment.console_script("no-such-tool-anywhere") is None
 
 
-def test_the_runtime_table_agrees_with_requirements_dbr154():
+@pytest.mark.parametrize("runtime", sorted(environment.DATABRICKS_RUNTIME_STACKS))
+def test_the_runtime_table_agrees_with_the_runtimes_requirements_file(runtime):
+    text = (Path(__file__).resolve().parent.parent / f"requirements-dbr{runtime}.txt").read_text()
     pins = {}
-    for line in (Path(__file__).resolve().parent.parent / "requirements-dbr15.4.txt").read_text().splitlines():
+    for line in text.splitlines():
         line = line.split("#")[0].strip()
         if "==" in line:
             name, version = line.split("==")
             pins[name.strip().lower()] = version.strip()
-    shipped = environment.DATABRICKS_RUNTIME_STACKS["15.4"]
+    for built in ("deepspeed", "horovod"):    # built by the set-up, named in the file's header
+        header = re.search(rf"^# {built}: (\S+)$", text, flags=re.M)
+        if header and header.group(1) != "none":
+            pins[built] = header.group(1)
+    shipped = environment.DATABRICKS_RUNTIME_STACKS[runtime]
     both = set(shipped) & set(pins)
-    assert len(both) >= 8 and all(shipped[p] == pins[p] for p in both), {p: (shipped[p], pins[p]) for p in both}
+    assert len(both) >= 10 and all(shipped[p] == pins[p] for p in both), {p: (shipped[p], pins[p]) for p in both}
+    assert ("horovod" in shipped) == ("horovod" in pins), "Horovod is where the runtime has it, and only there"
 
 
 def test_dtlab_env_names_libraries_installed_over_the_runtime(monkeypatch):

@@ -3,9 +3,16 @@
 import os
 from pathlib import Path
 
-import horovod
 import pytest
-import torch
+
+from dtlab.environment import DATABRICKS_RUNTIME_STACKS
+
+if "horovod" not in DATABRICKS_RUNTIME_STACKS.get(os.environ.get("DTLAB_TEST_RUNTIME", "15.4"), {"horovod": ""}):
+    pytest.skip(f"Databricks Runtime {os.environ['DTLAB_TEST_RUNTIME']} ML has no Horovod (16.0 ML and later do not "
+                "preinstall it); its stack does not build it", allow_module_level=True)
+
+import horovod  # noqa: E402  (the main stack and 15.4's build it: a missing Horovod there fails here)
+import torch  # noqa: E402
 from strategy import (
     LR,
     make_model,

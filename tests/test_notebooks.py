@@ -11,7 +11,7 @@ solutions, on the learner's runtime stack as a task of the simulated Databricks 
 
 
 import pytest
-from variants import NOTEBOOKS, ON_RUNTIME_STACK, RUN_ONCE, check_result, check_second_run, run_once, second_runs
+from variants import NOTEBOOKS, RUN_ONCE, RUNTIMES, SECOND_RUN_ON, check_result, check_second_run, run_once, second_runs
 
 from dtlab.tooling import runner as course
 
@@ -54,8 +54,10 @@ def test_every_part_2_notebook_has_an_edge_of_range_run():
 
 
 def test_every_notebook_has_its_second_run_on_one_stack():
-    newest, runtime = second_runs("newest"), second_runs("runtime")
+    runs = {stack: second_runs(stack) for stack in ("newest", *RUNTIMES)}
     once = [nb for nb in NOTEBOOKS if run_once(nb)]
-    assert sorted(newest + runtime + once) == NOTEBOOKS and not set(newest) & set(runtime)
-    assert len(once) == len(RUN_ONCE) and not set(once) & set(runtime), "a notebook runs once or twice, not both"
-    assert len(runtime) == len(ON_RUNTIME_STACK), f"a notebook of {ON_RUNTIME_STACK} is missing"
+    everything = [nb for stack in runs.values() for nb in stack] + once
+    assert sorted(everything) == NOTEBOOKS, "a notebook runs its second run twice, or never"
+    assert len(once) == len(RUN_ONCE) and not set(once) & {nb for stack in RUNTIMES for nb in runs[stack]}
+    assert sum(len(runs[stack]) for stack in RUNTIMES) == len(SECOND_RUN_ON), f"one of {SECOND_RUN_ON} is missing"
+    assert [nb.stem for nb in runs["15.4"] if nb.stem.startswith("05")], "Horovod's lesson runs where Horovod is"

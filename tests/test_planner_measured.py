@@ -162,13 +162,11 @@ def _hsdp_planned(measured, variant, m):
 
 @pytest.fixture(scope="module")
 def hsdp_measured():
-    import torch
-
     from dtlab.parallel import fsdp2
 
-    if not fsdp2.AVAILABLE:
-        pytest.skip(f"HSDP here is fully_shard on a 2-D mesh ('replicate', 'shard'): torch >= {fsdp2.NEEDS_TORCH}; "
-                    f"this is {torch.__version__}")
+    if fsdp2.hsdp_problem("cpu"):
+        pytest.skip(f"HSDP here is fully_shard on a 2-D mesh ('replicate', 'shard'), on CPU processes: "
+                    f"{fsdp2.hsdp_problem('cpu')}")
     if loopback_bytes() is None:
         pytest.skip("no loopback counters to read here (/proc/net/dev)")
     return run(_hsdp_worker, HSDP_CFG, nprocs=4, timeout=300)[0]

@@ -93,8 +93,11 @@ def test_where_runs_go(tmp_path, monkeypatch):
     assert tracking.default_uri(tmp_path) == f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert tracking.experiment_path("ddp") == "ddp"
     monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "15.4")
-    # /Shared exists in every workspace; /Shared/dtlab would not, and MLflow refuses a missing parent folder
-    assert tracking.default_uri(tmp_path) == "databricks" and tracking.experiment_path("ddp") == "/Shared/dtlab-ddp"
+    monkeypatch.setenv("DTLAB_DATABRICKS_USER", "me@example.com")
+    # the user's own folder, which exists for every user (never /Shared, which every user can change)
+    assert tracking.default_uri(tmp_path) == "databricks"
+    assert tracking.experiment_path("ddp") == "/Users/me@example.com/dtlab-ddp"
+    assert tracking.experiment_path("/Shared/team/ddp") == "/Shared/team/ddp"      # a path: as given
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking:5000")
     assert tracking.default_uri() == "http://tracking:5000"
     assert tracking.worker_env()["MLFLOW_TRACKING_URI"] == "http://tracking:5000"
@@ -166,11 +169,12 @@ def test_workers_get_the_job_runs_api_url_and_token_never_a_host_of_none(monkeyp
     monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "15.4")
     for name in ("DATABRICKS_HOST", "DATABRICKS_TOKEN", "MLFLOW_TRACKING_URI"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DTLAB_DATABRICKS_USER", "me@example.com")
     _job_run_context(monkeypatch, browserHostName=None, workspaceUrl=None, apiUrl="https://dbc-1.cloud.databricks.com",
                      apiToken="dapi-context")
     assert tracking.worker_env() == {"MLFLOW_TRACKING_URI": "databricks",
                                      "DATABRICKS_HOST": "https://dbc-1.cloud.databricks.com",
-                                     "DATABRICKS_TOKEN": "dapi-context"}
+                                     "DATABRICKS_TOKEN": "dapi-context", "DTLAB_DATABRICKS_USER": "me@example.com"}
     # Options, as the Java context returns them, and a host without a scheme
     _job_run_context(monkeypatch, apiUrl=lambda: _Option("dbc-2.cloud.databricks.com/"),
                      apiToken=lambda: _Option("dapi-2"))
@@ -194,6 +198,43 @@ def test_without_a_host_or_token_worker_env_names_the_fix(monkeypatch, context):
     assert "Fix" in str(err.value) and "{{secrets/" in str(err.value)
     # a store that is not Databricks' needs no credentials
     assert tracking.worker_env("sqlite:///x.db") == {"MLFLOW_TRACKING_URI": "sqlite:///x.db"}
+
+
+def test_the_user_is_asked_of_the_workspace_with_the_token_and_remembered(monkeypatch):
+    """SCIM "Me" on a real HTTP server here: the notebook's host and token, the answer kept for launched workers."""
+    import http.server
+    import json
+    import threading
+
+    seen = []
+
+    class Workspace(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("Authorization")))
+            ok = self.headers.get("Authorization") == "Bearer dapi-x"
+            self.send_response(200 if ok else 401)
+            self.end_headers()
+            self.wfile.write(json.dumps({"userName": "ada@example.com"} if ok else {"error_code": "X"}).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Workspace)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "17.3")
+        monkeypatch.delenv("DTLAB_DATABRICKS_USER", raising=False)
+        monkeypatch.setenv("DATABRICKS_HOST", f"http://127.0.0.1:{server.server_port}")
+        monkeypatch.setenv("DATABRICKS_TOKEN", "dapi-x")
+        assert tracking.experiment_path("ddp") == "/Users/ada@example.com/dtlab-ddp"
+        assert seen == [("/api/2.0/preview/scim/v2/Me", "Bearer dapi-x")]
+        assert tracking.experiment_path("zero") == "/Users/ada@example.com/dtlab-zero" and len(seen) == 1
+        monkeypatch.delenv("DTLAB_DATABRICKS_USER")
+        monkeypatch.setenv("DATABRICKS_TOKEN", "dapi-wrong")
+        with pytest.raises(tracking.TrackingError, match="Fix: name the experiment with its full path"):
+            tracking.experiment_path("ddp")
+    finally:
+        server.shutdown()
 
 
 @pytest.mark.slow

@@ -2,35 +2,52 @@
 
 Every notebook runs with its CI parameters on the newest stack (``make test``). The second run, with
 the notebook's ``alt_parameters`` over its CI ones (3 processes where it takes ``nprocs``, other batch
-sizes and epochs) and its collapsed solution cells, happens once, on Databricks Runtime 15.4 LTS ML's
-stack, as a task of the simulated Databricks job (``tests/runtime/test_databricks_job.py``): the
-lessons a learner runs on that runtime, as the job runs them, with other values than the defaults.
-Part 1 runs there in full; in Part 2 the cells that need a newer torch (FSDP2, DTensor's public API,
-pipelining) say so and skip on torch 2.3, so for them the second run tests the from-scratch code and
-the arithmetic with other parameters, and the newest stack's run tests the library paths (and, at the
-edge of their parameters, a third run). Notebook 17 (Ray) runs once, on the newest stack, with its
-solutions (``RUN_ONCE``: why). Each lesson thus runs once per stack, which keeps both suites within
-their time budgets on 2 cores.
+sizes and epochs) and its collapsed solution cells, happens once, as a task of the simulated Databricks
+job (``tests/runtime/test_databricks_job.py``), on the stack of the Databricks runtime a learner runs that
+lesson on:
+
+* **15.4 LTS ML** (torch 2.3, Spark 3.5, MLflow 2.13): Part 1, notebooks 00-09 and 11. Horovod (05) exists
+  only there (16.0 ML and later do not preinstall it), and Part 1 is what a learner on an older workspace runs;
+  its code paths are the same on 17.3 but for the guarded library calls its tests cover on every stack
+  (``cluster`` tests: ``make test-runtime`` runs them on both).
+* **17.3 LTS ML** (the bundle's default): Part 2 and notebook 10, whose torch-gated cells (FSDP2, DTensor's public
+  API, pipelining on gloo, context parallelism, torchrun's restarts) skip on torch 2.3 and run there; and the
+  capstone (20). ``SKIPPED_ON`` lists what still skips there, each with its reason (tested).
+
+Notebook 17 (Ray) runs once, on the newest stack, with its solutions (``RUN_ONCE``: why). Each lesson thus
+runs twice in CI, on two stacks, which keeps the three suites within their time budgets on 2 cores.
 """
 
+import os
 from pathlib import Path
 
 from dtlab.tooling import runner as course
 
 NOTEBOOKS = course.find_notebooks(Path(__file__).resolve().parent.parent / "notebooks")
-ON_RUNTIME_STACK = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14", "15",
-                    "16", "18", "19", "20")
+#: The runtime each notebook's second run belongs to (the rest run theirs on the newest stack).
+SECOND_RUN_ON = {**{nb: "15.4" for nb in ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "11")},
+                 **{nb: "17.3" for nb in ("10", "12", "13", "14", "15", "16", "18", "19", "20")}}
+RUNTIMES = ("15.4", "17.3")
 #: Notebooks that run once, with their solutions, on the newest stack only (the reason).
 RUN_ONCE = {"17": "Ray 2.60 would replace the runtime stack's pandas/pyarrow/packaging, and each Ray Train fit "
                   "costs 15-40 s of fixed start-up on 2 cores: a second full run would cost 5-6 minutes of make test"}
 
 
+def test_runtime() -> str:
+    """The runtime ``make test-runtime RUNTIME=...`` is testing (``DTLAB_TEST_RUNTIME``; 17.3 by default)."""
+    return os.environ.get("DTLAB_TEST_RUNTIME", "17.3")
+
+
+test_runtime.__test__ = False   # not a test, despite its name
+
+
 def second_runs(stack: str) -> list[Path]:
-    """The notebooks whose second run belongs to ``stack`` ("newest" or "runtime")."""
-    on_runtime = [nb for nb in NOTEBOOKS if nb.stem[:2] in ON_RUNTIME_STACK]
-    if stack == "runtime":
-        return on_runtime
-    return [nb for nb in NOTEBOOKS if nb not in on_runtime and nb.stem[:2] not in RUN_ONCE]
+    """The notebooks whose second run belongs to ``stack`` ("newest", "15.4" or "17.3")."""
+    if stack in RUNTIMES:
+        return [nb for nb in NOTEBOOKS if SECOND_RUN_ON.get(nb.stem[:2]) == stack]
+    if stack != "newest":
+        raise ValueError(f"stack={stack!r}: one of 'newest', {', '.join(map(repr, RUNTIMES))}")
+    return [nb for nb in NOTEBOOKS if nb.stem[:2] not in SECOND_RUN_ON and nb.stem[:2] not in RUN_ONCE]
 
 
 def run_once(notebook: Path) -> bool:

@@ -3,6 +3,7 @@
 ``fully_shard(module, mesh=...)`` turns each parameter of ``module`` into a ``DTensor`` whose local
 part is this rank's slice (dimension 0 split N ways). The lessons need three readings of that:
 
+* ``hsdp_problem(device)`` — why HSDP (a replicate x shard mesh) cannot run here ("" when it can);
 * ``AVAILABLE`` / ``require()`` — the public API is in torch >= 2.6 (Databricks Runtime 15.4 LTS ML
   has torch 2.3, where only the ``torch.distributed._composable`` prototype exists, without
   ``CPUOffloadPolicy``): ``require()`` raises a ``RuntimeError`` that names the version.
@@ -28,6 +29,27 @@ try:
     AVAILABLE = True
 except ImportError:
     AVAILABLE = False
+
+
+#: The first torch measured to run HSDP (``fully_shard`` on a 2-D replicate x shard mesh) on CPU processes.
+HSDP_CPU_NEEDS_TORCH = (2, 13)
+
+
+def hsdp_problem(device: str) -> str:
+    """Why FSDP2's HSDP cannot run here on ``device`` (``"cpu"`` or ``"cuda"``); ``""`` when it can.
+
+    torch 2.7.0's FSDP2 (Databricks Runtime 17.3 LTS ML) fails HSDP on CPU processes: its all-reduce between
+    replicas expects an event from a device stream, which a CPU does not record (``assert all_reduce_event is
+    not None``). Measured to run from torch 2.13 (the versions between were not measured), and on GPUs.
+    """
+    from dtlab._compat import _version
+
+    if not AVAILABLE:
+        return f"fully_shard needs torch >= {NEEDS_TORCH} (this is {torch.__version__})"
+    if device == "cpu" and _version() < HSDP_CPU_NEEDS_TORCH:
+        return (f"HSDP on CPU processes fails in torch {torch.__version__}'s FSDP2 (its replica all-reduce waits on "
+                "a stream event a CPU does not record). Fix: torch >= 2.13, or GPUs with nccl")
+    return ""
 
 
 def require() -> None:

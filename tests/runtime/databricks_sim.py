@@ -1,13 +1,14 @@
 """A Databricks job, simulated on this machine from the project's own files.
 
-What the course meets on a Databricks Runtime 15.4 LTS ML single-node job cluster, and how each is
-reproduced here (the runtime's Python stack itself is the venv ``make test-runtime`` builds):
+What the course meets on a Databricks Runtime 15.4 or 17.3 LTS ML single-node job cluster, and how each is
+reproduced here (the runtime's Python stack itself is the venv ``make test-runtime RUNTIME=...`` builds):
 
 * **job parameters arrive as widgets**: a ``dbutils`` object whose ``widgets.get`` returns each task's
   ``base_parameters`` from ``databricks.yml`` — strings, as a job passes them;
 * **the runtime is announced** by ``DATABRICKS_RUNTIME_VERSION`` and the cluster's Spark tag
   ``spark.databricks.clusterUsageTags.sparkVersion``;
-* **a SparkSession exists before the notebook starts**, made with the ``spark_conf`` of
+* **a SparkSession exists before the notebook starts**, its JVM in a folder of its own (``/databricks/driver``
+  on a cluster), made with the ``spark_conf`` of
   ``clusters/g5-12xlarge-single-node.yml`` (single-node profile, ``local[*, 4]`` with the node's 48 vCPUs
   as task slots: no GPU scheduling);
 * **the notebook's interpreter lives in a folder without the runtime's console scripts**
@@ -16,8 +17,8 @@ reproduced here (the runtime's Python stack itself is the venv ``make test-runti
 * **dtlab is the tasks' library**: the wheel the bundle's artifact builds (its ``build`` command from
   ``databricks.yml``, run offline), installed as a cluster library is, apart from the source tree;
 * **the working directory is the notebook's folder in the deployed bundle**, where the notebooks
-  themselves cannot be read as files (Databricks Runtime < 16.2), and what it writes lands in the
-  "workspace";
+  themselves cannot be read as files before Databricks Runtime 16.2 (15.4) and can from it (17.3), and what
+  it writes lands in the "workspace";
 * **the notebook's context is a job run's**: ``dbruntime``'s REPL context and ``dbutils``' command context
   carry ``apiUrl`` and ``apiToken`` and no ``browserHostName`` (absent in job runs); processes the notebook
   starts see no context, and no ``DATABRICKS_HOST`` / ``DATABRICKS_TOKEN`` in their environment;
@@ -25,7 +26,8 @@ reproduced here (the runtime's Python stack itself is the venv ``make test-runti
   through the context's ``apiUrl`` and token (in the notebook) or ``DATABRICKS_HOST`` and ``DATABRICKS_TOKEN``
   (in launched workers): the workspace is a real ``mlflow server`` on 127.0.0.1 that answers only requests
   carrying the token, and whose store, like the workspace's, refuses an experiment whose parent folder does
-  not exist (``RESOURCE_DOES_NOT_EXIST``) or whose name is not a path. (Artifacts are written to a folder the
+  not exist (``RESOURCE_DOES_NOT_EXIST``) or whose name is not a path; it says who runs the job (SCIM ``Me``:
+  ``USER``, whose home folder exists). (Artifacts are written to a folder the
   server names, ``--no-serve-artifacts``: the workspace's own artifact service, with credentials per write,
   is the one path not reproduced; a registered model version is read back as the workspace serves it, through
   its list-artifacts and signed-download-URL endpoints.)
@@ -50,10 +52,16 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNTIME_VERSION = "15.4"
-SPARK_VERSION_TAG = "15.4.x-gpu-ml-scala2.12"
+#: The runtime simulated: ``make test-runtime RUNTIME=...`` (DTLAB_TEST_RUNTIME), whose stack runs this.
+RUNTIME_VERSION = os.environ.get("DTLAB_TEST_RUNTIME", "17.3")
+SPARK_VERSION_TAG = {"15.4": "15.4.x-gpu-ml-scala2.12", "17.3": "17.3.x-gpu-ml-scala2.13"}[RUNTIME_VERSION]
+#: From Databricks Runtime 16.2 a notebook in the workspace can be read as a file (its source).
+NOTEBOOKS_ARE_FILES = tuple(map(int, RUNTIME_VERSION.split("."))) >= (16, 2)
 #: Workspace folders a fresh workspace has (the parents MLflow accepts).
-EXISTING_FOLDERS = ("/", "/Shared", "/Users", "/Repos", "/Workspace", "/Workspace/Shared", "/Workspace/Users")
+#: The user the job runs as (SCIM "Me" answers it), whose home folder exists like every user's.
+USER = "learner@example.com"
+EXISTING_FOLDERS = ("/", "/Shared", "/Users", "/Repos", "/Workspace", "/Workspace/Shared", "/Workspace/Users",
+                    f"/Users/{USER}", f"/Workspace/Users/{USER}")
 
 _STARTUP = '''
 # Run by the simulated Databricks kernel before the notebook: what a Databricks notebook finds defined.
@@ -173,7 +181,14 @@ from pyspark.sql import SparkSession as _SparkSession
 _builder = _SparkSession.builder.appName("databricks-simulated")
 for _key, _value in _json.loads(_os.environ["DTLAB_SIM_SPARK_CONF"]).items():
     _builder = _builder.config(_key, _value)
-spark = _builder.getOrCreate()
+# The driver's JVM (and the Python workers Spark starts, TorchDistributor's among them) runs in its own folder, as
+# /databricks/driver on a cluster, not in the notebook's folder: what they write to a relative path lands there.
+_notebook_folder = _os.getcwd()
+_os.chdir(_os.environ["DTLAB_SIM_DRIVER_DIR"])
+try:
+    spark = _builder.getOrCreate()
+finally:
+    _os.chdir(_notebook_folder)
 spark.sparkContext.setLogLevel("ERROR")
 '''
 
@@ -252,6 +267,11 @@ def _signature(path):
     return hmac.new(TOKEN.encode(), str(path).encode(), hashlib.sha256).hexdigest()
 
 
+@app.route("/api/2.0/preview/scim/v2/Me", methods=["GET"])
+def _me():
+    return jsonify(userName=os.environ["DTLAB_SIM_USER"], active=True)
+
+
 @app.route("/api/2.0/mlflow/model-versions/list-artifacts", methods=["GET"])
 def _list_model_version_artifacts():
     root = _version_root()
@@ -325,11 +345,11 @@ class Task:
 
 
 def load_tasks(bundle: Path = ROOT / "databricks.yml") -> list[Task]:
-    """The notebook tasks of the bundle's course job, in order, with their ``base_parameters``."""
+    """The notebook tasks of the bundle's jobs, in order, with their ``base_parameters``."""
     doc = yaml.safe_load(bundle.read_text())
-    job = next(iter(doc["resources"]["jobs"].values()))
+    every = [task for job in doc["resources"]["jobs"].values() for task in job["tasks"]]
     tasks = []
-    for task in job["tasks"]:
+    for task in every:
         nb = task.get("notebook_task")
         if not nb:
             continue
@@ -362,6 +382,7 @@ class Job:
         self._deploy()
         self.libraries = self._install_wheel()
         (self.folder / "tmp").mkdir(exist_ok=True)
+        (self.folder / "driver").mkdir(exist_ok=True)
         (self.folder / "mlartifacts").mkdir(exist_ok=True)
         self.token = secrets.token_hex(16)           # the workspace's API token of this run
         self.api_url = self._start_workspace()
@@ -370,11 +391,16 @@ class Job:
         """The bundle's files as `databricks bundle deploy` uploads them; notebooks are not files."""
         for name in ("dtlab", "clusters", "scripts"):
             shutil.copytree(ROOT / name, self.workspace / name, ignore=shutil.ignore_patterns("__pycache__"))
-        for name in ("databricks.yml", "pyproject.toml", "README.md", "requirements.txt", "requirements-dbr15.4.txt"):
+        for name in ("databricks.yml", "pyproject.toml", "README.md", "requirements.txt"):
             shutil.copy2(ROOT / name, self.workspace / name)
+        for path in ROOT.glob("requirements-dbr*.txt"):
+            shutil.copy2(path, self.workspace / path.name)
         (self.workspace / "notebooks").mkdir(parents=True)
         for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
-            (self.workspace / "notebooks" / nb.name).mkdir()  # exists, but cannot be read as a file
+            if NOTEBOOKS_ARE_FILES:
+                shutil.copy2(nb, self.workspace / "notebooks" / nb.name)
+            else:
+                (self.workspace / "notebooks" / nb.name).mkdir()  # exists, but cannot be read as a file
 
     def _install_wheel(self) -> Path:
         """Build dtlab's wheel with the bundle's artifact command (offline: without build isolation, from the
@@ -446,7 +472,7 @@ class Job:
                "--no-serve-artifacts", "--default-artifact-root", (self.folder / "mlartifacts").as_uri(),
                "--app-name", "databricks-sim"]
         env = {**os.environ, "PYTHONPATH": str(self.server_site), "DTLAB_SIM_API_TOKEN": self.token,
-               "DTLAB_SIM_FOLDERS": ":".join(EXISTING_FOLDERS),
+               "DTLAB_SIM_FOLDERS": ":".join(EXISTING_FOLDERS), "DTLAB_SIM_USER": USER,
                "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
         self._server_log = open(self.folder / "workspace-server.log", "w")
         self._server = subprocess.Popen(cmd, stdout=self._server_log, stderr=subprocess.STDOUT, env=env,
@@ -486,8 +512,10 @@ class Job:
             "MLFLOW_TRACKING_URI": "",               # unset: dtlab.tracking picks "databricks"
             "DTLAB_SIM_WIDGETS": json.dumps(widgets),
             "DTLAB_SIM_SPARK_CONF": json.dumps(single_node_spark_conf()),
+            "DTLAB_SIM_DRIVER_DIR": str(self.folder / "driver"),
             "DTLAB_SIM_API_URL": self.api_url,          # the notebook context's, removed from the environment
             "DTLAB_SIM_API_TOKEN": self.token,          # by the kernel's start-up (see _STARTUP)
+            "DTLAB_DATABRICKS_USER": "",                 # unset: dtlab asks the workspace who runs the job
             "DATABRICKS_HOST": "",                       # unset: a job run's environment has neither
             "DATABRICKS_TOKEN": "",
             "SPARK_LOCAL_IP": "127.0.0.1",
