@@ -60,9 +60,11 @@ def test_ruff_passes_on_package_tests_and_notebooks():
 def test_ci_runs_the_readme_test_commands():
     ci = (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text()
-    assert "make test" in readme and "make course" in readme and "make test-runtime" in readme
+    assert "make test" in readme and "make course" in readme and "make test-runtime RUNTIME=" in readme
     commands = [line.strip() for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    assert commands[-2:] == ["make test", "make test-runtime"]
+    runtimes = sorted(p.name[len("requirements-dbr"):-len(".txt")] for p in ROOT.glob("requirements-dbr*.txt"))
+    assert runtimes == ["15.4", "17.3"]
+    assert commands[-3:] == ["make test", *(f"make test-runtime RUNTIME={r}" for r in runtimes)], commands
 
 
 @pytest.mark.parametrize("script", sorted((ROOT / "scripts").glob("*.sh")), ids=lambda p: p.name)
