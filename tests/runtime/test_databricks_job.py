@@ -127,9 +127,9 @@ SKIPPED_ON = {
         "16_composing_parallelism": ["skipped: HSDP on CPU processes fails in torch 2.7.0"],
     },
 }
-#: Printed lines with "skipped" that are not a skipped cell: a GradScaler's count of skipped steps (07) and the
-#: planner's count of layouts it left out (19).
-NOT_A_SKIP = re.compile(r"skipped steps|that cannot run skipped")
+#: Printed lines with "skipped" that are not a skipped cell: a GradScaler's count of skipped steps (07), DeepSpeed's
+#: log of its own (``skipped=0``) and the planner's count of layouts it left out (19).
+NOT_A_SKIP = re.compile(r"skipped steps|skipped=\d|that cannot run skipped")
 
 
 def _skip_lines(executed: str) -> list[str]:
@@ -287,8 +287,10 @@ out["kernel_env"] = [k for k in ("DATABRICKS_HOST", "DATABRICKS_TOKEN") if k in 
 out["run_id"] = launch.run(log_a_run, env, nprocs=1)[0]
 """)
     assert out["kernel_env"] == [], "a job run's environment has no DATABRICKS_HOST/TOKEN: the context must be used"
+    from databricks_sim import USER
+
     assert out["env"] == {"MLFLOW_TRACKING_URI": "databricks", "DATABRICKS_HOST": job.api_url,
-                          "DATABRICKS_TOKEN": job.token}
+                          "DATABRICKS_TOKEN": job.token, "DTLAB_DATABRICKS_USER": USER}
     status, body = _workspace_get(job, f"/api/2.0/mlflow/runs/get?run_id={out['run_id']}")
     assert status == 200 and body["run"]["data"]["metrics"][0]["value"] == 42.0, body
 
