@@ -127,9 +127,10 @@ SKIPPED_ON = {
         "16_composing_parallelism": ["skipped: HSDP on CPU processes fails in torch 2.7.0"],
     },
 }
-#: Printed lines with "skipped" that are not a skipped cell: a GradScaler's count of skipped steps (07), DeepSpeed's
-#: log of its own (``skipped=0``) and the planner's count of layouts it left out (19).
-NOT_A_SKIP = re.compile(r"skipped steps|skipped=\d|that cannot run skipped")
+#: Printed lines with "skipped" that are not a skipped cell: the claims' verdict lines (``holds``/``FAILED``: 07 claims
+#: that its GradScaler skipped a step), a GradScaler's count of skipped steps (07), DeepSpeed's log of its own
+#: (``skipped=0``) and the planner's count of layouts it left out (19).
+NOT_A_SKIP = re.compile(r"^(holds|FAILED) |skipped steps|skipped=\d|that cannot run skipped")
 
 
 def _skip_lines(executed: str) -> list[str]:
