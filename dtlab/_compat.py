@@ -19,6 +19,11 @@ DeepSpeed: each patches one faulty call, of the versions that have the fault, wh
   left one process's weights at the first step and HSDP failed; on 2.13 both match it bit for bit. Where the
   group is gloo and the tensor is on the CPU, dtlab asks for SUM and divides by the group's size, as the fix in
   torch does (#162344); every other call is untouched.
+* **torch 2.4 to 2.7, gloo: the pipeline schedules hang.** ``torch.distributed.pipelining``'s ``_batch_p2p``
+  returns only the last of the ``Work`` objects ``batch_isend_irecv`` gives back, and the schedule waits on
+  that one (pytorch/pytorch#132644). NCCL completes a batch as one, gloo does not: on torch 2.7.0 (Databricks
+  Runtime 17.3 LTS ML) a 2-stage ``Schedule1F1B`` and ``ScheduleInterleaved1F1B`` on gloo hung until killed.
+  dtlab makes ``_batch_p2p`` return a ``Work`` that waits on all of them, what torch 2.8 does (PR #152938).
 * **DeepSpeed's ZeRO-3 reduce-scatter pads with ``torch.empty``.** ``reduce_scatter_coalesced``
   (``deepspeed/runtime/comm/coalesced_collectives.py``, 0.14.4 and 0.19.8 alike) pads each gradient to a
   multiple of the world size with uninitialised memory, which is summed with the other ranks' padding:
@@ -201,12 +206,51 @@ def _padding_is_zeroed(module: types.ModuleType) -> bool:
     return any(getattr(f, "_dtlab", False) for _, f in _wrapped_functions(module.reduce_scatter_coalesced))
 
 
+# --- torch 2.4 to 2.7: wait on every Work of a pipeline schedule's batch of sends and receives ---------
+
+#: The first torch whose pipeline schedules wait on every ``Work`` of a batch (PR #152938).
+PIPELINING_WAITS_ALL = (2, 8)
+
+
+class _AllWork:
+    """The ``Work`` objects of one ``batch_isend_irecv``, waited on together."""
+
+    def __init__(self, works):
+        self.works = list(works)
+
+    def wait(self, *args, **kwargs):
+        for work in self.works:
+            work.wait(*args, **kwargs)
+        return True
+
+    def is_completed(self):
+        return all(work.is_completed() for work in self.works)
+
+
+def _patch_pipeline_batch_p2p(schedules: types.ModuleType) -> None:
+    """Make ``_batch_p2p`` of ``torch.distributed.pipelining.schedules`` return a ``Work`` that waits on the whole
+    batch, on torch before ``PIPELINING_WAITS_ALL`` (measured hanging on 2.7.0 with gloo)."""
+    original = getattr(schedules, "_batch_p2p", None)
+    if original is None or getattr(original, "_dtlab", False) or _version() >= PIPELINING_WAITS_ALL:
+        return
+
+    @functools.wraps(original)
+    def _batch_p2p(p2p_ops, desc=None):
+        if len(p2p_ops) == 0:
+            return None
+        return _AllWork(schedules.dist.batch_isend_irecv(p2p_ops))
+
+    _batch_p2p._dtlab = True
+    schedules._batch_p2p = _batch_p2p
+
+
 # --- applied when the module loads, or now -------------------------------------------------------------
 
 #: Module name -> the patch to apply to it once it is loaded.
 PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
     "torch.distributed.distributed_c10d": _patch_c10d,
     "deepspeed.runtime.comm.coalesced_collectives": _zero_deepspeed_padding,
+    "torch.distributed.pipelining.schedules": _patch_pipeline_batch_p2p,
 }
 
 

@@ -110,3 +110,35 @@ def test_a_length_that_does_not_split_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="layout='ring'"):
         cpmod.positions(16, 2, 0, "ring")
     assert cpmod.positions(16, 2, 1, "zigzag").tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def torch_cp_on_cpu() -> str:
+    """torch's own context_parallel on CPU processes (gloo): what it raises, or "ran"."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    try:
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        answer = "ran"
+    except NotImplementedError as err:
+        answer = str(err)
+    dist.destroy_process_group()
+    return answer
+
+
+@pytest.mark.slow
+def test_torchs_context_parallel_has_no_cpu_path_so_the_lessons_cell_is_gpu_only():
+    """Notebook 15 runs torch's context_parallel only on CUDA GPUs, on every torch. That rests on this: the CPU's
+    attention kernel has no context-parallel rule (torch 2.7.0 and 2.13.0 alike). The day it runs, this fails
+    and the lesson's cell (and SKIPPED_ON in tests/runtime) should run it on CPU too."""
+    try:
+        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+    except ImportError:
+        pytest.skip(f"torch {torch.__version__} has no context_parallel")
+    for answer in run(torch_cp_on_cpu, nprocs=2, timeout=120):
+        assert "_scaled_dot_product_flash_attention_for_cpu" in answer, answer

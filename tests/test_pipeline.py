@@ -223,6 +223,61 @@ def torch_interleaved_worker(micro_batches: int, chunks: int) -> float:
     return max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() for p, q in pairs)
 
 
+def torch_schedule_worker(schedule: str, micro_batches: int, mended: bool = True) -> float:
+    """torch's GPipe or 1F1B on gloo, rank r holding stage r: its gradients against one process's. ``mended=False``
+    puts back torch's own ``_batch_p2p`` (what the schedule runs without dtlab's mend, ``dtlab._compat``)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, schedules
+
+    if not mended:
+        schedules._batch_p2p = getattr(schedules._batch_p2p, "__wrapped__", schedules._batch_p2p)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, 5, (BATCH,), generator=g)
+    reference = make_model()
+    F.cross_entropy(reference(x), y).backward()
+    piece = pp.split_model(make_model(), world)[rank]
+    kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    runner = kind(PipelineStage(piece, rank, world, "cpu"), micro_batches, loss_fn=F.cross_entropy)
+    if rank == 0:
+        runner.step(x)
+    elif rank == world - 1:
+        runner.step(target=y)
+    else:
+        runner.step()
+    pairs = list(zip(piece.parameters(), pp.split_model(reference, world)[rank].parameters(), strict=True))
+    dist.destroy_process_group()
+    return max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() for p, q in pairs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, micro_batches", [(2, 4), (3, 4)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_torch_schedules_equal_the_unsplit_model_on_gloo(schedule, world, micro_batches):
+    """On torch 2.7.0 (Databricks Runtime 17.3 LTS ML) this runs because of dtlab's mend; on 2.8+ by itself."""
+    from dtlab.parallel import pipelining
+
+    if pipelining.problem("gloo"):
+        pytest.skip(pipelining.problem("gloo"))
+    assert max(run(torch_schedule_worker, schedule, micro_batches, nprocs=world, timeout=120)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_without_dtlab_mend_torch_before_2_8_hangs_its_1f1b_schedule_on_gloo():
+    """What the mend is for: torch 2.4-2.7's own ``_batch_p2p`` hangs 1F1B's first step on gloo
+    (pytorch/pytorch#132644), here ended by the launcher's timeout; with the mend the same launch finishes."""
+    from dtlab._compat import PIPELINING_WAITS_ALL, _version
+    from dtlab.launch import LaunchTimeout
+    from dtlab.parallel import pipelining
+
+    if not pipelining.AVAILABLE or _version() >= PIPELINING_WAITS_ALL:
+        pytest.skip(f"torch {torch.__version__}: the schedules need no mend (2.8+) or do not exist (before 2.4)")
+    with pytest.raises(LaunchTimeout):
+        run(torch_schedule_worker, "1f1b", 4, False, nprocs=2, timeout=30)
+    assert max(run(torch_schedule_worker, "1f1b", 4, True, nprocs=2, timeout=60)) <= 1e-5
+
+
 @pytest.mark.slow
 def test_torch_interleaved_schedule_equals_the_unsplit_model():
     from dtlab.parallel import pipelining
@@ -283,11 +338,16 @@ def test_stages_that_disagree_on_shapes_all_raise_before_any_activation_moves():
 def test_torch_pipelining_is_refused_with_the_version_where_it_would_hang(monkeypatch):
     from dtlab.parallel import pipelining
 
-    monkeypatch.setattr(pipelining.torch, "__version__", "2.7.1+cpu")
-    assert "2.8" in pipelining.problem("gloo") and "Fix" in pipelining.problem("gloo")
-    assert pipelining.problem("nccl") == "" or not pipelining.AVAILABLE
-    monkeypatch.setattr(pipelining.torch, "__version__", "2.8.0")
-    assert pipelining.problem("gloo") == "" or not pipelining.AVAILABLE
+    if pipelining.AVAILABLE:
+        from torch.distributed.pipelining import schedules
+
+        monkeypatch.setattr(pipelining.torch, "__version__", "2.7.1+cpu")
+        monkeypatch.setattr(schedules, "_batch_p2p", lambda ops, desc=None: None)  # torch's own, without dtlab's mend
+        assert "2.8" in pipelining.problem("gloo") and "Fix" in pipelining.problem("gloo")
+        assert pipelining.problem("nccl") == ""
+        monkeypatch.setattr(pipelining.torch, "__version__", "2.8.0")
+        assert pipelining.problem("gloo") == ""
     monkeypatch.setattr(pipelining, "AVAILABLE", False)
+    monkeypatch.setattr(pipelining.torch, "__version__", "2.3.1+cpu")
     with pytest.raises(RuntimeError, match="needs torch >= 2.4"):
         pipelining.require("nccl")

@@ -1,10 +1,11 @@
 """PyTorch's pipeline API (``torch.distributed.pipelining``): which torch runs it, on which backend.
 
 ``PipelineStage`` and the schedules (``ScheduleGPipe``, ``Schedule1F1B``, ...) are public from
-torch 2.4. On gloo (CPU) they hang and then fail ("Connection reset by peer") up to torch 2.7:
-the schedule waited on only one of the ``Work`` objects gloo returns for a batch of sends and
-receives (pytorch/pytorch#132644, fixed by PR #152938 in 2.8). Databricks Runtime 15.4 LTS ML has
-torch 2.3, without the package.
+torch 2.4. On gloo (CPU) they hang up to torch 2.7: the schedule waited on only one of the
+``Work`` objects gloo returns for a batch of sends and receives (pytorch/pytorch#132644, fixed by
+PR #152938 in 2.8). ``import dtlab`` mends that on 2.4-2.7 (``dtlab._compat``), so with dtlab
+imported they run on gloo on torch 2.7.0 too (Databricks Runtime 17.3 LTS ML). Databricks Runtime
+15.4 LTS ML has torch 2.3, without the package.
 
 * ``AVAILABLE`` — this torch has ``torch.distributed.pipelining``;
 * ``problem(backend)`` — why it cannot run here with ``backend`` (``""`` when it can);
@@ -28,7 +29,7 @@ from torch import nn
 
 from dtlab._compat import _version
 
-#: The torch version from which the pipeline schedules run on gloo without hanging.
+#: The torch version from which the pipeline schedules run on gloo without hanging (without dtlab's mend).
 NEEDS_TORCH_GLOO = (2, 8)
 
 try:
@@ -42,12 +43,22 @@ except ImportError:
 def problem(backend: str) -> str:
     """Why ``torch.distributed.pipelining`` cannot run here with ``backend``; ``""`` when it can."""
     if not AVAILABLE:
-        return (f"torch.distributed.pipelining needs torch >= 2.4 (>= 2.8 on gloo); this is {torch.__version__}. "
+        return (f"torch.distributed.pipelining needs torch >= 2.4; this is {torch.__version__}. "
                 "Fix: a runtime with a newer torch, or dtlab.parallel.pipeline, which runs on 2.3")
-    if backend == "gloo" and _version() < NEEDS_TORCH_GLOO:
+    if backend == "gloo" and _version() < NEEDS_TORCH_GLOO and not waits_on_whole_batches():
         return (f"on gloo, torch {torch.__version__}'s pipeline schedules can hang (pytorch/pytorch#132644, fixed in "
                 "2.8). Fix: torch >= 2.8, nccl on GPUs, or dtlab.parallel.pipeline")
     return ""
+
+
+def waits_on_whole_batches() -> bool:
+    """Whether the schedules wait on every ``Work`` of a batch of sends and receives: torch >= 2.8, or
+    dtlab's mend of ``_batch_p2p`` in force (``dtlab._compat``)."""
+    if _version() >= NEEDS_TORCH_GLOO:
+        return True
+    from torch.distributed.pipelining import schedules
+
+    return getattr(schedules._batch_p2p, "_dtlab", False)
 
 
 def require(backend: str) -> None:

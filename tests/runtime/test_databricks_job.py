@@ -119,9 +119,8 @@ SKIPPED_ON = {
     "17.3": {
         # Horovod is not on 16.0 ML and later: notebook 10's Horovod restart section says so
         "10_checkpoints_and_faults": ["Horovod section skipped: horovod is not installed"],
-        # torch 2.7's pipeline schedules hang on gloo (fixed in 2.8): on the cluster's GPUs (nccl) they run
-        "14_pipeline_parallelism": ["skipped: on gloo, torch 2.7.0"],
-        # torch's context_parallel swaps the fused CUDA attention kernels: a GPU path on every torch
+        # torch's context_parallel swaps the fused CUDA attention kernels: a GPU path on every torch (the CPU's
+        # kernel has no context-parallel rule: tests/test_context_parallel.py); the lesson's own ring runs
         "15_context_and_expert_parallelism": ["skipped: context_parallel replaces the fused CUDA attention kernels"],
         # torch 2.7's FSDP2 cannot run HSDP (a replicated 2-D mesh) on CPU processes: on GPUs it runs
         "16_composing_parallelism": ["skipped: HSDP on CPU processes fails in torch 2.7.0"],
