@@ -103,7 +103,8 @@ def matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.
     """Measured FLOP/s of an ``n x n`` matrix multiply on ``device`` in ``dtype`` (best of ``repeats``).
 
     A quick probe of what the hardware does with a precision: GPUs with tensor cores run bf16
-    many times faster than fp32; CPUs without native bf16 run it *slower*.
+    many times faster than fp32; CPUs without native bf16 (``cpu_bf16_instructions()`` empty) usually run it
+    slower, and CPUs with it (AVX-512 BF16, AMX) may run it faster.
     """
     device = torch.device(device)
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -118,6 +119,30 @@ def matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.
             a @ b
         best = min(best, t.total["mm"])
     return 2 * n**3 / best
+
+
+#: CPU flags (``/proc/cpuinfo``) that mean native bf16 arithmetic: x86's AVX-512 BF16 and AMX, Arm's BF16.
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_bf16_instructions(cpuinfo: str | None = None) -> list[str]:
+    """The bf16 instruction sets this CPU reports (``BF16_CPU_FLAGS`` found in ``/proc/cpuinfo``'s ``flags``
+    or ``Features`` line); ``[]`` when it reports none or there is no ``/proc/cpuinfo`` (not Linux).
+
+    What the CPU says it has; whether bf16 is faster here is ``matmul_flops``'s to measure.
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return []
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return [flag for flag in BF16_CPU_FLAGS if flag in flags]
 
 
 #: float32's machine epsilon: the relative rounding error of one operation is at most half of it.

@@ -76,3 +76,14 @@ def test_max_diff_compares_state_dicts_or_results_and_refuses_unrelated_ones():
     assert max_diff(a, a) == 0.0
     with pytest.raises(ValueError, match="only in the first"):
         max_diff({"x": torch.ones(1)}, {"y": torch.ones(1)})
+
+
+def test_bf16_instructions_are_read_from_the_cpus_own_flags():
+    x86 = ("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_tile\n"
+           "processor\t: 1\nflags\t\t: fpu avx512_bf16\n")
+    assert measure.cpu_bf16_instructions(x86) == ["avx512_bf16"]
+    assert measure.cpu_bf16_instructions("Features\t: fp asimd bf16 i8mm\n") == ["bf16"]
+    assert measure.cpu_bf16_instructions("flags\t\t: fpu sse2 avx2\n") == []
+    with open("/proc/cpuinfo") as f:                         # this machine: what its kernel reports, line by line
+        reported = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    assert measure.cpu_bf16_instructions() == [f for f in measure.BF16_CPU_FLAGS if f in reported]

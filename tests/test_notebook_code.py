@@ -67,6 +67,29 @@ def test_no_cell_hard_codes_a_backend_device_or_process_count(path):
                           "dtlab.environment.plan (or mark the line '# deliberately <why>'):\n" + "\n".join(problems))
 
 
+def _meshless_fully_shard(source):
+    """(line, text) of each ``fully_shard(...)`` call without ``mesh=``: the default mesh follows the machine's
+    accelerator (CUDA on a one-GPU machine running 2 gloo CPU processes), not the run's device. A line that shows
+    the mistake on purpose says so ("the mistake")."""
+    lines = source.splitlines()
+    return [(node.lineno, lines[node.lineno - 1].strip()) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "fully_shard"
+            and not any(k.arg == "mesh" for k in node.keywords) and "the mistake" not in lines[node.lineno - 1]]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_fully_shard_call_passes_the_runs_mesh(path):
+    problems = [f"cell {i}, line {n}: {text}"
+                for i, _, src in _code_cells(path) for n, text in _meshless_fully_shard(src)]
+    assert not problems, f"{path.name}: pass mesh= (e.g. dtlab.parallel.mesh.device_mesh(device, dp=N)):\n" + \
+        "\n".join(problems)
+
+
+def test_the_mesh_check_catches_a_call_without_one():
+    assert _meshless_fully_shard("for b in m.blocks:\n    fully_shard(b)\nfully_shard(m, mesh=mesh)") == \
+        [(2, "fully_shard(b)")]
+
+
 def test_the_check_catches_what_it_should():
     assert _hard_coded('dist.init_process_group("nccl")')
     assert _hard_coded('dev = torch.device("cuda", rank) if gpu else torch.device("cpu")')

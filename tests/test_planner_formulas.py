@@ -197,8 +197,12 @@ def test_ring_factors_are_nccl_tests_bus_factors(n):
         memory.ring_factor(n, "gossip")
 
 
-def test_the_reference_rule_of_thumb_is_kept_as_data():
-    assert memory.size_guide(70e9)[1].endswith("ZeRO-3") and "offloading" in memory.size_guide(405e9)[1]
+def test_the_published_rule_of_thumb_is_kept_as_data_with_its_source():
+    assert memory.size_guide(7e9).advice == "TP=2-4 + DP" and memory.size_guide(7e9).tp == (2, 4)
+    assert memory.size_guide(70e9).pp == (2, 4) and memory.size_guide(405e9).cp == 2
+    assert memory.size_guide(0.5e9).gpus == (1, 8) and "Megatron Bridge" in memory.SIZE_GUIDE_SOURCE
+    with pytest.raises(ValueError, match="dtlab advise"):
+        memory.size_guide(1e12)
 
 
 def test_a_hugging_face_config_gives_the_published_shape():

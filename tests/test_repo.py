@@ -106,3 +106,78 @@ def test_tests_that_need_the_machine_to_themselves_are_marked_alone(reason):
              if p.name != Path(__file__).name and any(name in p.read_text() for name in names)]
     assert users, f"no test {reason} any more: drop its entry (and the marker where nothing else needs it)"
     assert [p.name for p in users if "pytest.mark.alone" not in p.read_text()] == []
+
+
+#: Words that send a learner to a text they cannot open ("the seed's table", "the reference's formula") or tell
+#: the course's own development history ("an earlier version of this planner") instead of the lesson. A rule of
+#: thumb is quoted with its public source (title, where in it); a single-process run that a distributed one is
+#: compared with may still be called "the reference".
+UNSEEN_TEXT = re.compile(
+    r"\bseed(?:s'|'s)|\bseed (?:tutorials?|material|table|advice|formula|pattern|rule)|\bseed_formula\b"
+    r"|reference (?:material|tutorials?|writes)|the reference's (?:formula|rules?|numbers|size guide|table|case|advice)"
+    r"|\bkorean\b|an earlier version of this|this notebook had to fix|the hard way",
+    re.IGNORECASE)
+#: Lines allowed to say the old name: the deprecation alias kept for one release, and its test.
+DEPRECATED_ALIAS = re.compile(
+    r"def seed_formula\(|speedup\.seed_formula\(|speedup\.seed_formula is renamed|deprecated alias")
+
+
+def _texts_a_learner_reads():
+    for path in NOTEBOOKS:
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            yield f"{path.name} cell {i}", "".join(cell["source"])
+    for path in sorted((ROOT / "dtlab").rglob("*.py")):
+        yield str(path.relative_to(ROOT)), path.read_text()
+
+
+def test_lessons_and_dtlab_never_point_to_unseen_texts_or_tell_their_own_history():
+    found = [f"{where}: {line.strip()[:100]}" for where, text in _texts_a_learner_reads()
+             for line in text.splitlines() if UNSEEN_TEXT.search(line) and not DEPRECATED_ALIAS.search(line)]
+    assert not found, "quote a public source (title, where in it) or say it in the lesson's own words:\n" + \
+        "\n".join(found)
+
+
+@pytest.mark.parametrize("line", ["The seed's \"~4x, ~8x\" are these ratios", "The seed tutorials give a table",
+                                  "The reference writes S = N / (1 + r (N - 1))", "the reference's formula gives",
+                                  "An earlier version of this planner priced", "seed_case = speedup.seed_formula(4)",
+                                  "the seeds' 30 minutes"])
+def test_the_wording_check_catches_each_kind(line):
+    assert UNSEEN_TEXT.search(line) and not DEPRECATED_ALIAS.search(line.replace("speedup.seed_formula(", "x("))
+
+
+@pytest.mark.parametrize("line", ["seed = 0", "the sampler's seed is 0", "must match the reference: the same losses",
+                                  "its loss must leave the reference's at once",
+                                  "shards initialised from different seeds"])
+def test_the_wording_check_leaves_seeds_and_single_process_references_alone(line):
+    assert not UNSEEN_TEXT.search(line)
+
+
+def _resolve(dotted: str):
+    """Import the longest module prefix of ``dotted`` and get the rest as attributes; a name that only a
+    deprecation forward still answers (DeprecationWarning) counts as not found."""
+    import importlib
+    import warnings
+
+    parts = dotted.split(".")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+            return obj
+    raise ImportError(dotted)
+
+
+def test_every_dtlab_name_a_lesson_cites_is_a_current_one():
+    cited = {(path.name, m) for path in NOTEBOOKS for m in re.findall(r"`(dtlab(?:\.[A-Za-z_]\w*)+)", path.read_text())}
+    missing = []
+    for where, name in sorted(cited):
+        try:
+            _resolve(name)
+        except (ImportError, AttributeError, DeprecationWarning) as err:
+            missing.append(f"{where}: {name} ({type(err).__name__})")
+    assert not missing, "lessons cite names dtlab no longer has there (use the current module):\n" + "\n".join(missing)

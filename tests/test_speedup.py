@@ -13,18 +13,18 @@ def test_ring_allreduce_time():
         speedup.allreduce_seconds(1e9, 2, 0)
 
 
-def test_seed_example():
-    assert speedup.seed_formula(4, 0.8) == pytest.approx(4 / 3.4)
-    assert speedup.seed_formula(1, 5.0) == 1.0
+def test_the_growing_communication_model():
+    assert speedup.linear_comm_speedup(4, 0.8) == pytest.approx(4 / 3.4)
+    assert speedup.linear_comm_speedup(1, 5.0) == 1.0
     assert speedup.break_even_ratio(4) == pytest.approx(1.0)
     assert speedup.break_even_ratio(4, 2.0) == pytest.approx(1 / 3)
 
 
-def test_prediction_matches_the_seed_formula_at_two_processes():
+def test_prediction_matches_the_growing_model_at_two_processes():
     # t_compute 55 ms; 2(N-1)/N * bytes / bw = 44 ms at N=2 -> r = 0.8
     p = speedup.predict(0.055, 44e6, 2, 1e9)
     assert p.comm_s == pytest.approx(0.044)
-    assert p.speedup == pytest.approx(speedup.seed_formula(2, 0.8))
+    assert p.speedup == pytest.approx(speedup.linear_comm_speedup(2, 0.8))
     assert p.efficiency == pytest.approx(p.speedup / 2)
 
 
@@ -45,12 +45,12 @@ def test_bad_inputs(kwargs):
 
 
 def test_the_two_formulas_agree_only_at_two_processes():
-    """The reference's S = N / (1 + r(N-1)) vs the ring model's S = N t / (t + t_comm)."""
+    """Communication growing with every peer, S = N / (1 + r(N-1)), vs the ring model's S = N t / (t + t_comm)."""
     ring = speedup.predict(0.055, 40e-3 * 1e9 / 1.5, 4, 1e9)      # a 40 ms all-reduce on 4 GPUs
     assert ring.comm_s == pytest.approx(0.040)
     assert ring.speedup == pytest.approx(4 * 55 / 95)               # 2.32x, not 1.18x
-    assert speedup.seed_formula(4, 40 / 55) == pytest.approx(4 / (1 + 3 * 40 / 55))
-    assert speedup.predict(0.055, 0.044e9, 2, 1e9).speedup == pytest.approx(speedup.seed_formula(2, 0.8))
+    assert speedup.linear_comm_speedup(4, 40 / 55) == pytest.approx(4 / (1 + 3 * 40 / 55))
+    assert speedup.predict(0.055, 0.044e9, 2, 1e9).speedup == pytest.approx(speedup.linear_comm_speedup(2, 0.8))
     assert speedup.break_even_comm(4) == pytest.approx(3.0) and speedup.break_even_comm(4, 2.0) == pytest.approx(1.0)
 
 
@@ -86,3 +86,8 @@ def test_a_launch_reports_the_mean_of_its_timed_steps():
     for name in ("step_s", "alone_s", "allreduce_s"):
         assert len(out["samples"][name]) == 5
         assert out[name] == pytest.approx(statistics.fmean(out["samples"][name]), rel=1e-12)
+
+
+def test_the_old_name_still_works_for_a_release_and_says_the_new_one():
+    with pytest.warns(DeprecationWarning, match="linear_comm_speedup"):
+        assert speedup.seed_formula(4, 0.8) == speedup.linear_comm_speedup(4, 0.8)

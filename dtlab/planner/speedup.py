@@ -16,11 +16,13 @@ Per optimizer step of ``k`` accumulated micro-batches, with gradients compressed
 With ``r = t_comm / t_compute`` this is ``S = N / (1 + r)``: one process would not be beaten only
 when the all-reduce takes longer than ``N - 1`` steps of compute (``break_even_comm``).
 
-The reference tutorials write ``S = N / (1 + r (N-1))`` (``seed_formula``): communication growing
-linearly with the number of peers, as a naive all-to-one exchange would. A ring all-reduce does not
-grow that way — each GPU sends ``2(N-1)/N`` of the gradients whatever N is — and the two formulas
-agree only at N = 2. Their ResNet-50 example (55 ms of compute, 40 ms all-reduce, N = 4) gives
-1.18x by theirs and 2.32x by this one; 1.18x would need 3 x 40 ms of communication per step.
+A tempting simpler model grows communication with every peer, ``S = N / (1 + r (N-1))``
+(``linear_comm_speedup``): what one parameter server receiving every worker's gradients would cost. A
+ring all-reduce does not grow that way — each GPU sends ``2(N-1)/N`` of the gradients whatever N is
+(Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", J. Parallel
+Distrib. Comput. 69(2), 2009; the Horovod paper, arXiv:1802.05799, section 3, contrasts the two) — and the
+two formulas agree only at N = 2. With 55 ms of compute, a 40 ms all-reduce and N = 4, the growing model
+gives 1.26x (1.18x with r = 0.8) and the ring 2.32x; 1.18x would need 3 x 40 ms of communication per step.
 
 ``measure_speedup`` measures the ingredients and the result on this machine, in the same
 processes and interleaved step by step, so that the prediction and the measurement see the same
@@ -79,14 +81,24 @@ def predict(t_compute: float, grad_bytes: float, n: int, bandwidth: float, laten
     return Prediction(n=n, compute_s=compute, comm_s=comm, step_s=step, speedup=n * compute / step)
 
 
-def seed_formula(n: int, comm_over_compute: float) -> float:
-    """The seed tutorials' ``S = N / (1 + r (N - 1))`` with ``r = t_comm / t_compute``."""
+def linear_comm_speedup(n: int, comm_over_compute: float) -> float:
+    """``S = N / (1 + r (N - 1))`` with ``r = t_comm / t_compute`` measured at N = 2: the speed-up if the
+    communication grew with every peer (one parameter server receiving all gradients), not a ring's."""
     return n / (1 + comm_over_compute * (n - 1))
+
+
+def seed_formula(n: int, comm_over_compute: float) -> float:  # deprecated alias, removed in the next release
+    """Deprecated: renamed ``linear_comm_speedup`` (what it computes); this name goes in the next release."""
+    import warnings
+
+    warnings.warn("dtlab.planner.speedup.seed_formula is renamed linear_comm_speedup; the old name goes in the next "
+                  "release", DeprecationWarning, stacklevel=2)
+    return linear_comm_speedup(n, comm_over_compute)
 
 
 def break_even_ratio(n: int, target_speedup: float = 1.0) -> float:
     """The largest ``t_comm / t_compute`` at which N processes still reach ``target_speedup``,
-    by the *reference's* formula: ``r = (N / S - 1) / (N - 1)`` (see ``break_even_comm`` for this model's).
+    by ``linear_comm_speedup``: ``r = (N / S - 1) / (N - 1)`` (see ``break_even_comm`` for this model's).
     """
     if n < 2 or target_speedup <= 0:
         raise ValueError("need n >= 2 and a positive target")
