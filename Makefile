@@ -1,6 +1,7 @@
 # The course's two commands:  make course  (run every notebook)   make test  (run the test suite).
-# make site: the newest run as a website in site/.
-# Both set up .venv first (idempotent; the first run builds Horovod and DeepSpeed ops, cached).
+# make site: the newest run as a website in site/.  make lab: the lessons in JupyterLab with the course's kernel.
+# Each sets up .venv first (idempotent). make test builds Horovod and DeepSpeed's ops at once (cached); make course
+# and make lab build neither until a lesson that imports one runs (notebooks 00-04 need neither).
 # make test-runtime RUNTIME=17.3 (the default) or RUNTIME=15.4: that Databricks Runtime LTS ML's stack in
 # .venv-dbr<RUNTIME>, the notebooks whose second run belongs to it as simulated Databricks job tasks
 # (tests/variants.py), and the tests marked `cluster` (code a cluster runs). CI runs both.
@@ -15,12 +16,22 @@ RUNTIME ?= 17.3
 RUNTIME_VENV ?= .venv-dbr$(RUNTIME)
 RPY := $(RUNTIME_VENV)/bin/python
 
-.PHONY: setup setup-runtime course site test test-quick test-runtime lint clean
+.PHONY: setup setup-core setup-runtime course lab site test test-quick test-runtime lint clean
 setup:
 	@bash scripts/setup.sh
 
-course: setup
+# The packages and the kernel, without the Horovod and DeepSpeed builds: `dtlab course run` builds each (once,
+# cached) before the first lesson that imports it.
+setup-core:
+	@DTLAB_SETUP=core bash scripts/setup.sh
+
+course: setup-core
 	$(VENV)/bin/dtlab course run $(NOTEBOOKS) $(PARAMS)
+
+# The lessons in JupyterLab, with the course's kernel ("Python 3 (dtlab)": this venv). LAB_ARGS="--no-browser" on a
+# remote machine (then open the printed URL through an SSH tunnel).
+lab: setup-core
+	$(VENV)/bin/jupyter lab --notebook-dir notebooks $(LAB_ARGS)
 
 # The newest course run (RUN=runs/<timestamp> for another) as a website in site/, checked in headless
 # Chromium; with no run yet, the course runs first with its CI parameters.

@@ -2,7 +2,9 @@
 # Set up everything the course needs, idempotently: .venv with requirements.txt and dtlab,
 # Horovod and DeepSpeed with its C++ ops (each built once, cached as wheels), a Jupyter kernel,
 # and Debian's Chromium for the website's browser check.
-# Called by `make setup`, and so by `make course` and `make test`.
+# Called by `make setup`, and so by `make test` and `make site`.
+# DTLAB_SETUP=core (make setup-core, and so make course and make lab): the packages and the kernel only; the first
+# lesson that imports Horovod or DeepSpeed builds it (dtlab course run), or a full set-up does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,6 +34,16 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "packages installed in $((SECONDS - t)) s"
 else
   say "packages up to date ($VENV)"
+fi
+
+if [ "${DTLAB_SETUP:-full}" = core ]; then
+  if [ ! -f "$VENV/share/jupyter/kernels/python3/kernel.json" ]; then
+    say "registering the Jupyter kernel 'python3' in $VENV"
+    "$PY" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (dtlab)" >/dev/null
+  fi
+  say "ready in $((SECONDS - start)) s (Horovod and DeepSpeed are built by the first lesson that needs one:" \
+      "05, 06, 10, 20; make setup builds both now)"
+  exit 0
 fi
 
 bash scripts/build_horovod.sh "$PY"

@@ -125,3 +125,28 @@ def test_stop_leftovers_waits_for_processes_that_are_exiting_and_stops_the_rest(
     assert time.monotonic() - start >= 3.0
     assert len(left) == 1 and "sleep(60)" in left[0]          # the one that was exiting is not reported
     assert stuck.wait(timeout=5) != 0 and exiting.wait(timeout=5) == 0
+
+
+def test_the_first_lessons_need_no_build_and_horovods_and_deepspeeds_lessons_are_found():
+    found = {p.stem[:2]: course.needed_builds(p) for p in course.find_notebooks()}
+    assert all(found[n] == [] for n in ("00", "01", "02", "03", "04"))
+    assert found["05"] == ["horovod"] and found["06"] == ["deepspeed"] and "deepspeed" in found["20"]
+
+
+def test_a_lesson_that_imports_a_missing_package_gets_it_built_once_first(tmp_path, monkeypatch, capsys):
+    """A real script builds a real (tiny) package into a folder on sys.path; the second call finds it."""
+    name = "dtlab_built_here_probe"
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "build_probe.sh").write_text(f'echo "built by $1" > "{site}/{name}.py"\n')
+    nb = new_notebook(cells=[new_code_cell("def worker():\n    import dtlab_built_here_probe\n")])
+    path = tmp_path / "05_probe.ipynb"
+    nbformat.write(nb, path)
+    builds = {name: "build_probe.sh"}
+    assert course.needed_builds(path, builds) == [name]
+    assert course.ensure_built(path, "the-python", builds, tmp_path / "scripts") == [name]
+    assert (site / f"{name}.py").read_text() == "built by the-python\n"
+    assert "05_probe is the first lesson here that needs" in capsys.readouterr().out
+    assert course.ensure_built(path, "the-python", builds, tmp_path / "scripts") == []     # built: nothing to do

@@ -14,6 +14,9 @@ tests also run, so a lesson holds for any sensible parameters, not only its defa
 Exercise solutions are code cells tagged ``solution`` (collapsed in Jupyter). A course run skips
 them (``solutions=False``, the default: the learner tries first); the tests run them.
 
+Horovod and DeepSpeed are built from source (minutes each, then cached as wheels). ``make course`` and ``make lab``
+set up without them; before the first notebook that imports one, ``run`` builds it (``ensure_built``), saying so.
+
 Everything a notebook starts must end with it: each run gives the kernel a ``DTLAB_RUN_ID``, and
 any process that still carries it after the notebook finished is stopped and reported
 (``Result.leftovers``). The kernel's scratch folder (``DTLAB_SCRATCH``) is the run folder.
@@ -22,8 +25,11 @@ any process that still carries it after the notebook finished is stopped and rep
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -257,6 +263,44 @@ def new_run_dir(root: str | os.PathLike = "runs") -> Path:
     return path
 
 
+#: Packages a lesson may import that the set-up builds from source, and the script in ``scripts/`` that builds one
+#: (once per Python and torch, cached as a wheel: see ``scripts/lib.sh``).
+BUILT_FROM_SOURCE = {"horovod": "build_horovod.sh", "deepspeed": "build_deepspeed.sh"}
+
+
+def needed_builds(path: Path, builds: dict[str, str] = BUILT_FROM_SOURCE) -> list[str]:
+    """The packages of ``builds`` (``BUILT_FROM_SOURCE``) that the notebook's code imports (anywhere, workers'
+    functions too)."""
+    cells = json.loads(Path(path).read_text())["cells"]
+    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    imported = re.findall(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", code, re.MULTILINE)
+    return [name for name in builds if name in imported]
+
+
+def ensure_built(path: Path, python: str = sys.executable, builds: dict[str, str] = BUILT_FROM_SOURCE,
+                 scripts: Path | None = None) -> list[str]:
+    """Build what the notebook imports and this Python lacks (``needed_builds``) with the repository's scripts
+    (``scripts``: the folder, by default the repository's ``scripts/``); returns the names built. Without the
+    scripts (dtlab installed from a wheel) it says what is missing and builds nothing: the notebook then names
+    the fix itself."""
+    scripts = Path(scripts) if scripts else Path(__file__).resolve().parents[2] / "scripts"
+    built = []
+    for name in needed_builds(path, builds):
+        if importlib.util.find_spec(name) is not None:
+            continue
+        script = scripts / builds[name]
+        if not script.is_file():
+            print(f"[course] {Path(path).stem} imports {name}, which this Python lacks and no scripts/ folder is "
+                  "here to build", flush=True)
+            continue
+        print(f"[course] {Path(path).stem} is the first lesson here that needs {name}: building it once "
+              f"(scripts/{script.name}; minutes, then cached)", flush=True)
+        subprocess.run(["bash", str(script), python], cwd=scripts.parent, check=True)
+        importlib.invalidate_caches()
+        built.append(name)
+    return built
+
+
 def run(names: list[str] | None = None, params: dict[str, Any] | None = None, ci: bool = False,
         root: str | os.PathLike = "runs", notebook_dir: str | os.PathLike | None = None,
         stream: bool = True, solutions: bool = False) -> tuple[Path, list[Result]]:
@@ -280,6 +324,7 @@ def run(names: list[str] | None = None, params: dict[str, Any] | None = None, ci
     results = []
     for nb in notebooks:
         own = {k: v for k, v in params.items() if k in notebook_parameters(nb)}
+        ensure_built(nb)
         print(f"[course] {nb.stem}: running{' (CI parameters)' if ci else ''} ...", flush=True)
         result = run_one(nb, run_dir, own, ci=ci, stream=stream, solutions=solutions)
         print(f"[course] {nb.stem}: {result.status} in {result.seconds:.1f} s"
