@@ -19,7 +19,7 @@ def train(stage):
     import torch.distributed as dist
 
     from dtlab import ds_config
-    from dtlab.parallel.zero import held_elements
+    from dtlab.parallel import held_elements  # every strategy's one interface: here a DeepSpeed engine
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -76,6 +76,7 @@ def test_zero_stage_trains_the_same_weights_as_ddp_and_holds_what_the_model_says
         assert h["params"] == pytest.approx(psi / n if stage == 3 else psi, abs=pad)
         assert h["optimizer_moments"] == pytest.approx(2 * psi / (n if stage >= 1 else 1), abs=2 * pad)
         assert h["master_weights"] == pytest.approx(psi / n if stage >= 1 else 0, abs=pad)
+        assert h["optimizer"] == h["optimizer_moments"] + h["master_weights"]
         # At the end of an accumulation cycle DeepSpeed's stages 1-3 keep only their reduced shard.
         assert h["grads"] == pytest.approx(psi if stage == 0 else psi / n, abs=pad)
         if stage == 3:  # ds_config partitions every parameter (see ds_config.build, persistence_threshold)

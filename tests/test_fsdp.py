@@ -21,7 +21,7 @@ from torch import nn
 from dtlab import models
 from dtlab.launch import WorkerError, run
 from dtlab.measure import FLOAT32_EPS, max_diff
-from dtlab.parallel import fsdp2
+from dtlab.parallel import fsdp2, held_elements
 
 STEPS, LOCAL_BATCH = 3, 4
 pytestmark = pytest.mark.cluster  # code a cluster runs: make test-runtime repeats these on its stack
@@ -163,8 +163,7 @@ def train_fsdp(kind, opt="sgd", dtype=None):
                                     for p in model.parameters())
         o.step()
         if step == 0:
-            held = fsdp.held_elements() | {"optimizer": sum(t.numel() for s in o.state.values()
-                                                            for t in s.values() if torch.is_tensor(t) and t.dim())}
+            held = held_elements(fsdp, o)                # every strategy's one interface: here ScratchFSDP
         states.append(fsdp.gather_full_params())
     dist.destroy_process_group()
     return {"states": states, "counts": counts, "held": held, "replicated_grads": replicated_grads,

@@ -123,3 +123,20 @@ def test_a_moved_packages_submodules_keep_their_old_paths_too():
 
     with pytest.warns(DeprecationWarning, match="moved to dtlab.tooling.clusters.bundle.bundle_problems"):
         assert old.bundle_problems is bundle.bundle_problems
+
+
+def test_one_held_elements_answers_for_a_plain_model_too():
+    """What a rank holds, counted from the model itself: a Linear(3, 4) has 16 elements; SGD with momentum keeps
+    one buffer per element after its first step, Adam two (its step counter is a scalar, not counted)."""
+    import torch
+
+    from dtlab.parallel import held_elements
+
+    model = torch.nn.Linear(3, 4)
+    for make, per_element in ((lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1), (torch.optim.Adam, 2)):
+        optimizer = make(model.parameters())
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+        assert held_elements(model, optimizer) == {"params": 16, "grads": 16, "optimizer": 16 * per_element}
+        model.zero_grad(set_to_none=True)
+    assert held_elements(model) == {"params": 16, "grads": 0, "optimizer": 0}

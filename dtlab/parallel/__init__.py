@@ -25,9 +25,13 @@ PyTorch's counterparts, each a thin wrapper that says which torch has the API an
     dtlab.parallel.side_by_side   DDP, ZeRO-3, FSDP2 and the scratch FSDP trained side by side: step time, bytes
 
 Import the one you need, e.g. ``from dtlab.parallel.data_parallel import DataParallel``.
+
+``held_elements(model, optimizer=None)`` answers, for every sharded strategy, what this rank holds:
+``{"params", "grads", "optimizer", ...}`` element counts, comparable with ``dtlab.planner.formulas``.
 """
 
 import importlib
+from typing import Any
 
 #: The strategies, loaded on first use (``dtlab.parallel.zero`` works after ``import dtlab``).
 STRATEGIES = ("data_parallel", "zero", "fsdp", "tensor", "pipeline", "context", "ulysses", "expert")
@@ -40,3 +44,22 @@ def __getattr__(name: str):
         return importlib.import_module(f"dtlab.parallel.{name}")
     raise AttributeError(f"module 'dtlab.parallel' has no attribute {name!r}. Strategies: {', '.join(STRATEGIES)}; "
                          f"PyTorch's: {', '.join(WRAPPERS)}")
+
+
+def held_elements(model: Any, optimizer: Any = None) -> dict[str, int]:
+    """Elements this rank holds of ``model`` and ``optimizer``: ``{"params", "grads", "optimizer"}`` (and what
+    the strategy adds: DeepSpeed's ``master_weights``, the scratch FSDP's ``sharded_params``...), whatever
+    the strategy: a DeepSpeed engine (``zero.held_elements``), a ``ScratchFSDP`` model (``fsdp.held_elements``),
+    or a model sharded by PyTorch's ``fully_shard``, wrapped in DDP or plain (``fsdp2.held_elements``: the
+    local parts of its DTensors). Read gradients after the backward that ends an accumulation cycle and the
+    optimizer state after the first step.
+
+    >>> held = held_elements(model, optimizer)        # doctest: +SKIP
+    >>> held["optimizer"] / formulas.model_states(psi, N, 3).optimizer * 4    # doctest: +SKIP
+    """
+    if hasattr(model, "module") and hasattr(model, "optimizer") and hasattr(model, "backward"):   # DeepSpeed engine
+        return importlib.import_module("dtlab.parallel.zero").held_elements(model, optimizer)
+    fsdp = importlib.import_module("dtlab.parallel.fsdp")
+    if isinstance(model, fsdp.ScratchFSDP):
+        return fsdp.held_elements(model, optimizer)
+    return importlib.import_module("dtlab.parallel.fsdp2").held_elements(model, optimizer)

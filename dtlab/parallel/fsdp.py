@@ -415,6 +415,16 @@ class ScratchFSDP(nn.Module):
         self._pending_grads.append((p.grad, handle, None, p, time.perf_counter()))
 
 
+def held_elements(model: ScratchFSDP, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Elements this rank of a ``ScratchFSDP`` model keeps between steps: ``params`` (its slices and the replicated
+    parameters), ``grads`` and the ``optimizer`` state (read after the first ``step()``), with ``sharded_params``
+    and ``replicated_params`` apart: the interface every strategy shares (``dtlab.parallel.held_elements``)."""
+    held = model.held_elements()
+    state = optimizer.state.values() if optimizer is not None else []
+    held["optimizer"] = sum(t.numel() for s in state for t in s.values() if torch.is_tensor(t) and t.dim())
+    return held
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     if torch.is_tensor(value):
         return [value]

@@ -160,13 +160,16 @@ def optimizer_state_bytes(optimizer: Optimizer) -> int:
                if torch.is_tensor(t))
 
 
-def held_elements(engine: Any) -> dict[str, int]:
+def held_elements(engine: Any, optimizer: Any = None) -> dict[str, int]:
     """Elements this rank of a DeepSpeed engine holds: parameters, gradients, optimizer state.
 
     Read gradients after the ``engine.backward(loss)`` that ends an accumulation cycle, before
     ``engine.step()``; read optimizer state after a step (Adam creates its moments at the first
-    one). Returns ``{"params", "grads", "optimizer_moments", "master_weights"}`` (element counts;
-    DeepSpeed pads shards to an alignment, so a count can exceed the exact share by a few).
+    one). Returns ``{"params", "grads", "optimizer", "optimizer_moments", "master_weights"}`` (element
+    counts; ``optimizer`` is the moments plus the fp32 master weights, what ``formulas.model_states`` calls
+    optimizer state; DeepSpeed pads shards to an alignment, so a count can exceed the exact share by a few).
+    ``optimizer`` is accepted for the interface every strategy shares (``dtlab.parallel.held_elements``); the
+    engine holds its own.
     """
     opt = engine.optimizer
     inner = getattr(opt, "optimizer", opt)
@@ -187,4 +190,5 @@ def held_elements(engine: Any) -> dict[str, int]:
     masters = (getattr(opt, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
                or getattr(opt, "fp32_partitioned_groups_flat", None))  # ZeRO-3
     held["master_weights"] = sum(t.numel() for t in masters) if masters else 0
+    held["optimizer"] = held["optimizer_moments"] + held["master_weights"]
     return held
