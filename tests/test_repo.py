@@ -172,8 +172,9 @@ def _resolve(dotted: str):
     raise ImportError(dotted)
 
 
-def test_every_dtlab_name_a_lesson_cites_is_a_current_one():
-    cited = {(path.name, m) for path in NOTEBOOKS for m in re.findall(r"`(dtlab(?:\.[A-Za-z_]\w*)+)", path.read_text())}
+def test_every_dtlab_name_a_lesson_or_the_readme_cites_is_a_current_one():
+    texts = [*NOTEBOOKS, ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
+    cited = {(path.name, m) for path in texts for m in re.findall(r"`(dtlab(?:\.[A-Za-z_]\w*)+)", path.read_text())}
     missing = []
     for where, name in sorted(cited):
         try:
@@ -181,3 +182,21 @@ def test_every_dtlab_name_a_lesson_cites_is_a_current_one():
         except (ImportError, AttributeError, DeprecationWarning) as err:
             missing.append(f"{where}: {name} ({type(err).__name__})")
     assert not missing, "lessons cite names dtlab no longer has there (use the current module):\n" + "\n".join(missing)
+
+
+def test_the_readmes_first_screen_gets_a_newcomer_to_a_running_lesson_and_to_jupyterlab():
+    first = (ROOT / "README.md").read_text().splitlines()[:60]
+    commands = [line.split("#")[0].strip() for line in first if line.startswith("make ")]
+    assert any(c.startswith("make course NOTEBOOKS=") for c in commands) and "make lab" in commands, commands
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^lab: setup-core$", makefile, re.MULTILINE) and "jupyter lab" in makefile
+    assert "CONTRIBUTING.md" in "\n".join(first) and (ROOT / "CONTRIBUTING.md").is_file()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_the_claims_cell_is_folded_on_the_website(path):
+    """The claims are the lesson's proof, not its reading path: the website shows their verdicts and folds the
+    code behind a toggle (MyST-NB's ``hide-input``; tests/test_website.py checks it in the browser)."""
+    cells = [c for c in json.loads(path.read_text())["cells"]
+             if c["cell_type"] == "code" and "claims.verify()" in "".join(c["source"])]
+    assert len(cells) == 1 and "hide-input" in cells[0]["metadata"].get("tags", []), path.name

@@ -2,6 +2,7 @@
 00 made to fail), every page opened in headless Chromium, and the checker shown catching each fault."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,7 @@ def test_every_page_opens_in_chromium_with_its_plots_and_links(site, run_dir):
     assert report.ok, "\n".join(report.problems)
     assert report.pages == 6  # home, two notebooks, API, search, index
     assert report.plots >= 1 and report.links > 50
+    assert report.folded >= 1                                  # notebook 13's claims cell, behind a toggle
     assert report.search_results >= 3  # home, API, the notebooks that name dtlab
     assert sorted(Path(p).name for p in report.screenshots) == ["site-home.png", "site-notebook.png"]
     for shot in report.screenshots:
@@ -93,6 +95,8 @@ def test_the_check_catches_each_fault(site, tmp_path):
     (broken / "searchindex.js").write_text("Search.setIndex({})")  # a search that finds nothing
     for png in (broken / "_images").glob("*.png"):  # plots that do not load
         png.unlink()
+    lesson = broken / "13_tensor_parallelism.html"              # its claims cell unfolded
+    lesson.write_text(re.sub(r"<details([^>]*)>", r"<details\1 open>", lesson.read_text()))
     home = broken / "index.html"
     home.write_text(home.read_text().replace(
         "</body>", '<a href="nowhere.html">x</a><script src="https://cdn.example.com/x.js"></script>'
@@ -105,6 +109,8 @@ def test_the_check_catches_each_fault(site, tmp_path):
     assert "requested https://cdn.example.com/x.js" in text
     assert "console error: boom" in text
     assert "searching for 'dtlab' found nothing" in text
+    assert "13_tensor_parallelism.html: 0 cells folded behind a toggle" in text
+    assert "13_tensor_parallelism.html: its claims cell's source is shown" in text
 
 
 def test_bad_input_names_the_fix(tmp_path):

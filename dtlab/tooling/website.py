@@ -128,6 +128,26 @@ def _course_map(readme: Path, published: set[str]) -> str:
     return "\n".join(out)
 
 
+#: Cell tags that fold a cell away on the website behind a toggle: MyST-NB's ``hide-input`` (a code cell's source:
+#: every lesson's claims cell carries it) and the course's ``method`` (a markdown cell of measurement-method
+#: detail, wrapped here in a ``<details>`` element).
+HIDDEN_TAGS = ("hide-input", "method")
+
+
+def _fold_method_cells(nb: dict[str, Any]) -> int:
+    """Wrap each markdown cell tagged ``method`` in a closed ``<details>`` element; return how many cells of ``nb``
+    the website shows folded (``HIDDEN_TAGS``)."""
+    hidden = 0
+    for cell in nb["cells"]:
+        tags = cell.get("metadata", {}).get("tags", [])
+        if cell["cell_type"] == "markdown" and "method" in tags:
+            body = "".join(cell["source"])
+            cell["source"] = ('<details class="dtlab-method">\n<summary>How this is measured</summary>\n\n'
+                              f"{body}\n\n</details>")
+        hidden += any(t in tags for t in HIDDEN_TAGS)
+    return hidden
+
+
 def _readme_section(readme: Path, heading: str) -> str:
     text = readme.read_text()
     start = text.index(heading)
@@ -227,8 +247,10 @@ def build(run_dir: str | os.PathLike, out: str | os.PathLike = "site", readme: s
             nb["cells"][0:1] = [_cell(title), header] + ([_cell(rest)] if rest.strip() else [])
         else:
             nb["cells"].insert(0, header)
+        hidden = _fold_method_cells(nb)
         (work / f"{name}.ipynb").write_text(json.dumps(nb))
-        manifest[f"{name}.html"] = {"notebook": name, "status": result["status"], "plots": _plots(nb)}
+        manifest[f"{name}.html"] = {"notebook": name, "status": result["status"], "plots": _plots(nb),
+                                    "hidden": hidden}
     ok = sum(r["status"] == "ok" for r in results)
     failed = [r["notebook"] for r in results if r["status"] != "ok"]
     index = ["# Distributed training, runnable", "",
@@ -237,7 +259,7 @@ def build(run_dir: str | os.PathLike, out: str | os.PathLike = "site", readme: s
              + (f"; **failed: {', '.join(failed)}** (each page says where)." if failed else ".")
              + f" Machine: {machine}.", "",
              "## The course", "", _course_map(readme, set(manifest_name[:-5] for manifest_name in manifest)), "",
-             "## Run it yourself", "", _readme_section(readme, "## Two commands"), "",
+             "## Run it yourself", "", _readme_section(readme, "## Start here"), "",
              "The helper package's reference: [the dtlab API](api.md).", "",
              "```{toctree}", ":hidden:", ":caption: Notebooks", "",
              *[n[:-5] for n in manifest], "", "```", "",
@@ -269,6 +291,7 @@ class Check:
     links: int = 0
     plots: int = 0
     search_results: int = 0
+    folded: int = 0
     problems: list[str] = field(default_factory=list)
     screenshots: list[str] = field(default_factory=list)
 
@@ -281,9 +304,10 @@ def check(site: str | os.PathLike = "site", screenshots: str | os.PathLike | Non
     """Open every page of a built ``site`` in headless Chromium and return what is wrong.
 
     Fails a page on: the page missing, an internal link to a file or anchor that does not exist,
-    fewer loaded images than its notebook has plots, a console error or uncaught exception, and
-    any request that is not to a file of the site (the site must work offline); and a search that
-    finds nothing. Screenshots of the
+    fewer loaded images than its notebook has plots, fewer folded cells (closed ``<details>``: claims and
+    method cells) than its notebook tags ``HIDDEN_TAGS``, a claims cell's source shown unfolded, a console error
+    or uncaught exception, and any request that is not to a file of the site (the site must work offline);
+    and a search that finds nothing. Screenshots of the
     home page and the first notebook page with plots go to ``screenshots`` (default: the run folder).
     """
     from urllib.parse import unquote, urlparse
@@ -347,6 +371,16 @@ def check(site: str | os.PathLike = "site", screenshots: str | os.PathLike | Non
             report.plots += loaded
             if loaded < info.get("plots", 0):
                 report.problems.append(f"{name}: {loaded} plots shown, its notebook has {info['plots']}")
+            folded = page.eval_on_selector_all("article details", "els => els.filter(e => !e.open).length")
+            report.folded += folded
+            if folded < info.get("hidden", 0):
+                report.problems.append(f"{name}: {folded} cells folded behind a toggle, its notebook tags "
+                                       f"{info['hidden']} (claims and method cells)")
+            shown_claims = page.eval_on_selector_all(
+                "article pre", "els => els.filter(e => e.innerText.includes('claims.verify()') "
+                "&& e.getClientRects().length > 0).length")
+            if shown_claims:
+                report.problems.append(f"{name}: its claims cell's source is shown, not folded behind a toggle")
             if name == "index.html":
                 shot = shots / "site-home.png"
                 page.screenshot(path=str(shot))
