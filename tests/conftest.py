@@ -56,13 +56,23 @@ def _descendants() -> dict[int, str]:
     return out
 
 
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
 @pytest.fixture(autouse=True)
 def no_process_outlives_its_test():
     before = set(_descendants())
+    # A server a wider fixture started in its own session (the simulated workspace's mlflow server) may replace its
+    # workers while a test runs (gunicorn respawns a worker that dies): they are that fixture's to stop, not the test's.
+    servers = {_session(pid) for pid in before} - {os.getsid(0), None}
     yield
     deadline = time.monotonic() + 15
     while True:
-        left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+        left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before and _session(pid) not in servers}
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)

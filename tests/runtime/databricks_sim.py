@@ -371,6 +371,22 @@ def single_node_spark_conf() -> dict[str, str]:
     return conf
 
 
+def _answers(url: str) -> bool:
+    """Whether an HTTP server answers ``url`` (any status). gunicorn's arbiter binds the port before its worker
+    boots: until the worker runs, a connection opens but nothing answers (and the worker would start inside the
+    first test, which would count it as a process that test left running)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+
+
 class Job:
     """The simulated cluster and workspace of one job run, in ``folder``."""
 
@@ -463,7 +479,6 @@ class Job:
     def _start_workspace(self, timeout: float = 120.0) -> str:
         """Start the workspace's MLflow server (its own session, stopped by ``close``); return its URL."""
         from dtlab.distributed import free_port
-        from dtlab.tracking import port_is_open
 
         port = free_port()
         db = self.folder / "workspace-mlflow.db"
@@ -478,7 +493,7 @@ class Job:
         self._server = subprocess.Popen(cmd, stdout=self._server_log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)
         deadline = time.monotonic() + timeout
-        while not port_is_open(port):
+        while not _answers(f"http://127.0.0.1:{port}/health"):     # a worker serves: not just the socket bound
             if self._server.poll() is not None or time.monotonic() > deadline:
                 self.close()
                 raise RuntimeError("the workspace's mlflow server did not start; see "
