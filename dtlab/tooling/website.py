@@ -149,10 +149,13 @@ def _fold_method_cells(nb: dict[str, Any]) -> int:
 
 
 def _readme_section(readme: Path, heading: str) -> str:
+    """A section of the README; its links to the repository's other Markdown files (not pages of the site)
+    become their names, said to be in the repository."""
     text = readme.read_text()
     start = text.index(heading)
     end = text.find("\n## ", start + len(heading))
-    return text[start + len(heading):end if end > 0 else None].strip()
+    section = text[start + len(heading):end if end > 0 else None].strip()
+    return re.sub(r"\[([^\]]+)\]\((?!https?:|#)[^)]*\.md(?:#[^)]*)?\)", r"\1 (in the repository)", section)
 
 
 def _api_page() -> str:
@@ -379,7 +382,7 @@ def check(site: str | os.PathLike = "site", screenshots: str | os.PathLike | Non
             shown_claims = page.eval_on_selector_all(
                 "article pre", "els => els.filter(e => e.innerText.includes('claims.verify()') "
                 "&& e.getClientRects().length > 0).length")
-            if shown_claims:
+            if shown_claims and info.get("notebook"):
                 report.problems.append(f"{name}: its claims cell's source is shown, not folded behind a toggle")
             if name == "index.html":
                 shot = shots / "site-home.png"
