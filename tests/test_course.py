@@ -1,5 +1,6 @@
 import json
 import os
+import sys
 from pathlib import Path
 
 import nbformat
@@ -138,15 +139,24 @@ def test_a_lesson_that_imports_a_missing_package_gets_it_built_once_first(tmp_pa
     name = "dtlab_built_here_probe"
     site = tmp_path / "site"
     site.mkdir()
-    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", str(site))                 # where the lessons' Python finds what was built
     (tmp_path / "scripts").mkdir()
-    (tmp_path / "scripts" / "build_probe.sh").write_text(f'echo "built by $1" > "{site}/{name}.py"\n')
+    (tmp_path / "scripts" / "build_probe.sh").write_text(f"echo \"BUILT_BY = '$1'\" > \"{site}/{name}.py\"\n")
     nb = new_notebook(cells=[new_code_cell("def worker():\n    import dtlab_built_here_probe\n")])
     path = tmp_path / "05_probe.ipynb"
     nbformat.write(nb, path)
     builds = {name: "build_probe.sh"}
     assert course.needed_builds(path, builds) == [name]
-    assert course.ensure_built(path, "the-python", builds, tmp_path / "scripts") == [name]
-    assert (site / f"{name}.py").read_text() == "built by the-python\n"
+    python = sys.executable
+    assert not course.is_built(name, python)
+    assert course.ensure_built(path, python, builds, tmp_path / "scripts") == [name]
+    assert (site / f"{name}.py").read_text() == f"BUILT_BY = '{python}'\n"
     assert "05_probe is the first lesson here that needs" in capsys.readouterr().out
-    assert course.ensure_built(path, "the-python", builds, tmp_path / "scripts") == []     # built: nothing to do
+    assert course.ensure_built(path, python, builds, tmp_path / "scripts") == []     # built: nothing to do
+
+
+def test_deepspeeds_python_package_alone_is_not_built_its_ops_are():
+    """requirements.txt installs DeepSpeed's package; only the build script compiles its ops in (make test builds
+    them, so here they are): the check reads the ops, not the import."""
+    assert course.is_built("deepspeed") and course.is_built("horovod")
+    assert "installed_ops" in course.BUILT_CHECK["deepspeed"] and "horovod.torch" in course.BUILT_CHECK["horovod"]

@@ -25,7 +25,6 @@ any process that still carries it after the notebook finished is stopped and rep
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import re
@@ -266,6 +265,18 @@ def new_run_dir(root: str | os.PathLike = "runs") -> Path:
 #: Packages a lesson may import that the set-up builds from source, and the script in ``scripts/`` that builds one
 #: (once per Python and torch, cached as a wheel: see ``scripts/lib.sh``).
 BUILT_FROM_SOURCE = {"horovod": "build_horovod.sh", "deepspeed": "build_deepspeed.sh"}
+#: How to tell that one is built, run by the Python the lessons use: requirements.txt installs DeepSpeed's
+#: Python package, whose ops the build script compiles in (without them a lesson would compile them itself).
+BUILT_CHECK = {"horovod": "import horovod.torch",
+               "deepspeed": "import sys\nfrom deepspeed.git_version_info import installed_ops\n"
+                            "sys.exit(not installed_ops.get('cpu_adam'))"}
+
+
+def is_built(name: str, python: str = sys.executable) -> bool:
+    """Whether ``python`` has ``name`` built (``BUILT_CHECK``; any other name: importable)."""
+    if name not in BUILT_CHECK:
+        return subprocess.run([python, "-c", f"import {name}"], capture_output=True).returncode == 0
+    return subprocess.run([python, "-c", BUILT_CHECK[name]], capture_output=True).returncode == 0
 
 
 def needed_builds(path: Path, builds: dict[str, str] = BUILT_FROM_SOURCE) -> list[str]:
@@ -286,7 +297,7 @@ def ensure_built(path: Path, python: str = sys.executable, builds: dict[str, str
     scripts = Path(scripts) if scripts else Path(__file__).resolve().parents[2] / "scripts"
     built = []
     for name in needed_builds(path, builds):
-        if importlib.util.find_spec(name) is not None:
+        if is_built(name, python):
             continue
         script = scripts / builds[name]
         if not script.is_file():
@@ -296,7 +307,6 @@ def ensure_built(path: Path, python: str = sys.executable, builds: dict[str, str
         print(f"[course] {Path(path).stem} is the first lesson here that needs {name}: building it once "
               f"(scripts/{script.name}; minutes, then cached)", flush=True)
         subprocess.run(["bash", str(script), python], cwd=scripts.parent, check=True)
-        importlib.invalidate_caches()
         built.append(name)
     return built
 
