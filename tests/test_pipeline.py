@@ -203,6 +203,17 @@ def test_interleaving_refuses_micro_batches_that_are_not_a_multiple_of_the_ranks
     assert pp.interleaved_one_f_one_b(5, 2, 0, chunks=1) == [(k, m, 0) for k, m in pp.one_f_one_b(5, 2, 0)]
 
 
+def step_as_rank(schedule, rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of a torch pipeline schedule as this rank plays it: the first feeds the inputs, the last the
+    targets, the others neither."""
+    if rank == 0:
+        schedule.step(x)
+    elif rank == world - 1:
+        schedule.step(target=y)
+    else:
+        schedule.step()
+
+
 def torch_interleaved_worker(micro_batches: int, chunks: int) -> float:
     """torch's ScheduleInterleaved1F1B, rank r holding stages r, r+P, ...: its gradients against one process's."""
     import torch.distributed as dist
@@ -210,13 +221,7 @@ def torch_interleaved_worker(micro_batches: int, chunks: int) -> float:
 
     x, y, _, ref_pieces, pieces, rank, world = interleaved_setup(micro_batches, chunks)
     stages = [PipelineStage(piece, c * world + rank, chunks * world, "cpu") for c, piece in enumerate(pieces)]
-    schedule = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=F.cross_entropy)
-    if rank == 0:
-        schedule.step(x)
-    elif rank == world - 1:
-        schedule.step(target=y)
-    else:
-        schedule.step()
+    step_as_rank(ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=F.cross_entropy), rank, world, x, y)
     pairs = list(zip([p for piece in pieces for p in piece.parameters()],
                      [p for piece in ref_pieces for p in piece.parameters()], strict=True))
     dist.destroy_process_group()
@@ -240,12 +245,7 @@ def torch_schedule_worker(schedule: str, micro_batches: int, mended: bool = True
     piece = pp.split_model(make_model(), world)[rank]
     kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
     runner = kind(PipelineStage(piece, rank, world, "cpu"), micro_batches, loss_fn=F.cross_entropy)
-    if rank == 0:
-        runner.step(x)
-    elif rank == world - 1:
-        runner.step(target=y)
-    else:
-        runner.step()
+    step_as_rank(runner, rank, world, x, y)
     pairs = list(zip(piece.parameters(), pp.split_model(reference, world)[rank].parameters(), strict=True))
     dist.destroy_process_group()
     return max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() for p, q in pairs)

@@ -78,3 +78,15 @@ def test_the_test_phases_exit_5_only_when_neither_selects_a_test(tmp_path):
     assert subprocess.run(run, cwd=tmp_path, capture_output=True, env=env, timeout=300).returncode == 0
     assert subprocess.run([*run, "-k", "nothing"], cwd=tmp_path, capture_output=True, env=env,
                           timeout=300).returncode == 5
+
+
+def test_make_lab_has_jupyterlab_and_the_course_kernel():
+    """``make lab`` runs the venv's ``jupyter lab`` on notebooks/ with the kernel the set-up registers."""
+    import json
+
+    jupyter = Path(sys.executable).parent / "jupyter"
+    version = subprocess.run([str(jupyter), "lab", "--version"], capture_output=True, text=True, timeout=120)
+    assert version.returncode == 0 and version.stdout.strip()[0].isdigit(), version.stderr[-2000:]
+    specs = subprocess.run([str(jupyter), "kernelspec", "list", "--json"], capture_output=True, text=True, timeout=120)
+    kernel = json.loads(specs.stdout)["kernelspecs"]["python3"]
+    assert kernel["spec"]["display_name"] == "Python 3 (dtlab)" and kernel["spec"]["argv"][0] == sys.executable
