@@ -36,11 +36,17 @@ else
   say "packages up to date ($VENV)"
 fi
 
-if [ "${DTLAB_SETUP:-full}" = core ]; then
-  if [ ! -f "$VENV/share/jupyter/kernels/python3/kernel.json" ]; then
-    say "registering the Jupyter kernel 'python3' in $VENV"
+# The course's kernel, "Python 3 (dtlab)": this venv's Python. ipykernel's wheel ships a kernel.json of its own
+# ("Python 3 (ipykernel)", argv "python"), so the file's existence says nothing: its display name does.
+register_kernel() {
+  if ! grep -q '"Python 3 (dtlab)"' "$VENV/share/jupyter/kernels/python3/kernel.json" 2>/dev/null; then
+    say "registering the Jupyter kernel 'Python 3 (dtlab)' in $VENV"
     "$PY" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (dtlab)" >/dev/null
   fi
+}
+
+if [ "${DTLAB_SETUP:-full}" = core ]; then
+  register_kernel
   say "ready in $((SECONDS - start)) s (Horovod and DeepSpeed are built by the first lesson that needs one:" \
       "05, 06, 10, 20; make setup builds both now)"
   exit 0
@@ -63,8 +69,5 @@ if [ ! -x "${DTLAB_CHROMIUM:-/usr/bin/chromium}" ]; then
   fi
 fi
 
-if [ ! -f "$VENV/share/jupyter/kernels/python3/kernel.json" ]; then
-  say "registering the Jupyter kernel 'python3' in $VENV"
-  "$PY" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (dtlab)" >/dev/null
-fi
+register_kernel
 say "ready in $((SECONDS - start)) s"
