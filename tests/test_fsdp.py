@@ -459,15 +459,18 @@ def test_fsdp2_accumulation_defers_the_reduce_scatters_and_trains_what_one_proce
     assert gathers["every"] == gathers["deferred"] > gathers["kept"] == groups
     held = {m: result[m]["held"][0] for m in MODES}     # after the first micro-batch: what each mode holds
     shard = sum(math.ceil(p.shape[0] / world) * p[0].numel() for p in model.parameters())  # padded, per rank
-    # sharded gradients; whole gradients; and whole weights, in the padded gathered buffers (exact on a CPU, torch
-    # 2.13). torch 2.7.0 (Databricks 17.3) holds a few hundred bytes more after a deferred micro-batch (3,900 B
-    # for 3,420), its allocations being another version's: there the order and the lower bounds are what holds.
+    # sharded gradients; whole gradients; and whole weights, in the padded gathered buffers. At a boundary a rank may
+    # still hold one group's unsharded buffer (its gathered weights, whole gradient or reduce-scatter input) that
+    # FSDP2, or gloo's worker thread after the caller's wait returned, frees a moment later: measured beside a CPU
+    # hog, 2 of 60 launches held exactly one group more (480 B: the embedding's; 1,240 B: fc2's), never more; torch
+    # 2.7.0 (Databricks 17.3) held the embedding's 480 B more after a deferred micro-batch (3,900 B for 3,420).
     expected = {"every": 4 * shard, "deferred": 4 * psi, "kept": 4 * psi + 4 * world * shard}
-    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
-        assert held == expected, held
-    else:
-        assert held["every"] < held["deferred"] < held["kept"], held
-        assert all(held[m] >= expected[m] for m in MODES) and held["every"] <= 1.01 * expected["every"], held
+    groups_of = [model.emb, model.fc1, model.fc2, model.head]
+    own = [p for n, p in model.named_parameters() if n.split(".")[0] not in ("emb", "fc1", "fc2", "head")]
+    largest_group = max(4 * sum(math.ceil(p.shape[0] / world) * world * p[0].numel() for p in params)
+                        for params in [list(g.parameters()) for g in groups_of] + [own])
+    assert held["every"] < held["deferred"] < held["kept"], held
+    assert all(expected[m] <= held[m] <= expected[m] + largest_group for m in MODES), (held, expected, largest_group)
 
 
 def hybrid_or_full(hybrid):
