@@ -27,10 +27,10 @@ import time
 import torch
 from torch import nn
 
-from dtlab._compat import _version
+from dtlab._compat import PIPELINING_WAITS_ALL, _version
 
 #: The torch version from which the pipeline schedules run on gloo without hanging (without dtlab's mend).
-NEEDS_TORCH_GLOO = (2, 8)
+NEEDS_TORCH_GLOO = PIPELINING_WAITS_ALL
 
 try:
     import torch.distributed.pipelining  # noqa: F401
