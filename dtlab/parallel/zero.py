@@ -192,3 +192,31 @@ def held_elements(engine: Any, optimizer: Any = None) -> dict[str, int]:
     held["master_weights"] = sum(t.numel() for t in masters) if masters else 0
     held["optimizer"] = held["optimizer_moments"] + held["master_weights"]
     return held
+
+
+#: The first DeepSpeed measured to train ZeRO-3 right on 3 CPU processes (``zero3_cpu_ranks``).
+ZERO3_CPU_FIXED = (0, 19)
+
+
+def zero3_cpu_ranks(world_size: int, device: str, deepspeed_version: str | None = None) -> tuple[int, str]:
+    """How many CPU processes DeepSpeed ZeRO-3 can be trusted on here, and why fewer than ``world_size``.
+
+    DeepSpeed before 0.19 with its CPU accelerator (gloo) sometimes trains wrong weights under ZeRO-3 on more than
+    2 processes: measured with 0.16.5 (Databricks Runtime 17.3 LTS ML's) on torch 2.7, notebook 20's model ended
+    with weights far from one process's (several NaN) in 7 of 12 runs on 3 processes and 3 of 6 on 4, 0 of 8 on
+    2; 0.19.8 on the same torch, 0 of 10 on 3 (``benchmarks/zero3_cpu.py``). On GPUs (nccl) nothing of this is
+    known.
+    Returns ``(world_size, "")`` where nothing is known against it, otherwise ``(2, reason)``.
+    """
+    if device != "cpu" or world_size <= 2:
+        return world_size, ""
+    if deepspeed_version is None:
+        import deepspeed
+
+        deepspeed_version = deepspeed.__version__
+    major, minor = (int(x) for x in deepspeed_version.split("+")[0].split(".")[:2])
+    if (major, minor) >= ZERO3_CPU_FIXED:
+        return world_size, ""
+    return 2, (f"DeepSpeed {deepspeed_version}'s ZeRO-3 on {world_size} CPU processes sometimes trains wrong weights "
+               "(measured: 7 of 12 runs on 3, 3 of 6 on 4, 0 of 8 on 2), so it runs on 2 here. "
+               "Fix: DeepSpeed >= 0.19, or GPUs")
