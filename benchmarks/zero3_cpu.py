@@ -11,10 +11,12 @@ the same global batches. ``--thresholds`` are values of DeepSpeed's ``stage3_par
 reordering alone gives ~1e-8 here). Another DeepSpeed can be tried without installing it:
 ``PYTHONPATH=<a folder holding it> .venv-dbr17.3/bin/python benchmarks/zero3_cpu.py``.
 
-Measured on the course's CI machine (2 cores), torch 2.7 (Databricks 17.3's stack):
+Measured on the course's CI machine (2 cores), torch 2.7 (Databricks 17.3's stack) unless said:
 
 | DeepSpeed | processes | threshold | runs wrong |
 |---|---:|---:|---:|
+| 0.14.4 (15.4's), torch 2.3 | 3 | 100,000 | 3 of 8 (3 NaN) |
+| 0.14.4, torch 2.3 | 3 | 0 | 0 of 12 |
 | 0.16.5 | 3 | 100,000 | 7 of 12 (5 NaN or > 1e12) |
 | 0.16.5 | 3 | 0 | 1 of 12 |
 | 0.16.5 | 2 | 100,000 | 0 of 8 |
