@@ -175,8 +175,9 @@ def max_diff(a: dict, b: dict) -> float:
 
     ``a`` and ``b`` map names to tensors (a ``state_dict()``), or are results that hold one under
     ``"weights"``. Tensors are compared in float32 on the CPU, so bf16 weights and GPU weights compare
-    too. When one side has extra entries (DDP's buffers, a strategy's scratch), the comparison runs over
-    the names the other side has; names neither side shares are an error, not a silent 0.
+    too. A NaN anywhere makes the result NaN (which no bound admits). When one side has extra entries (DDP's
+    buffers, a strategy's scratch), the comparison runs over the names the other side has; names neither side
+    shares are an error, not a silent 0.
 
     >>> max_diff({"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([1.0, 2.5])})
     0.5
@@ -191,7 +192,8 @@ def max_diff(a: dict, b: dict) -> float:
                          f"{sorted(a.keys() - b.keys())[:5]}, only in the second {sorted(b.keys() - a.keys())[:5]}")
     if not names:
         raise ValueError("nothing to compare: a state dict is empty")
-    return max((a[k].detach().float().cpu() - b[k].detach().float().cpu()).abs().max().item() for k in names)
+    diffs = [(a[k].detach().float().cpu() - b[k].detach().float().cpu()).abs().max().item() for k in names]
+    return math.nan if any(math.isnan(d) for d in diffs) else max(diffs)   # max() alone skips a NaN after the first
 
 
 def plot_seconds(seconds: dict[str, float], title: str, xlabel: str = "seconds", color: str = "tab:purple"):

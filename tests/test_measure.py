@@ -1,3 +1,4 @@
+import math
 import time
 
 import pytest
@@ -76,6 +77,16 @@ def test_max_diff_compares_state_dicts_or_results_and_refuses_unrelated_ones():
     assert max_diff(a, a) == 0.0
     with pytest.raises(ValueError, match="only in the first"):
         max_diff({"x": torch.ones(1)}, {"y": torch.ones(1)})
+
+
+def test_max_diff_is_nan_when_any_tensor_holds_a_nan_not_only_the_first():
+    """Python's max() keeps a finite value over a later NaN: a run with NaN weights in its second tensor would
+    otherwise pass every "equals one process within the bound" check."""
+    from dtlab.measure import max_diff
+
+    ok, bad = {"a": torch.zeros(2), "b": torch.zeros(2)}, {"a": torch.zeros(2), "b": torch.tensor([0.0, math.nan])}
+    assert math.isnan(max_diff(bad, ok)) and math.isnan(max_diff(ok, bad))
+    assert math.isnan(max_diff({"b": bad["b"], "a": bad["a"]}, ok))
 
 
 def test_bf16_instructions_are_read_from_the_cpus_own_flags():
