@@ -96,6 +96,8 @@ def main() -> None:
 
     import torch
 
+    from dtlab.measure import max_diff
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=14)
     ap.add_argument("--nprocs", type=int, default=3)
@@ -116,7 +118,7 @@ def main() -> None:
                 if not out.exists():
                     raise SystemExit(f"run {i} failed:\n{proc.stderr[-6000:]}")
                 got = torch.load(out)
-                diffs.append(max((got[k] - ref[k]).abs().max().item() for k in ref))
+                diffs.append(max_diff(got, ref))
             wrong = sum(not d <= 1e-3 for d in diffs)     # NaN counts as wrong
             print(f"threshold {threshold:>7}: {wrong} of {len(diffs)} runs wrong; max |diff| per run: "
                   + ", ".join(f"{d:.1e}" for d in diffs), flush=True)
