@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dtlab.tooling import runner as course
 
-TIMING_NOTEBOOKS = ["01", "02", "03", "04", "05", "08", "10", "14"]
+TIMING_NOTEBOOKS = ["01", "02", "03", "04", "05", "08", "10", "15"]
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
     .venv-dbr17.3/bin/python benchmarks/zero3_cpu.py [--runs 12] [--nprocs 3] [--thresholds 100000 0]
 
-Each run launches ``nprocs`` gloo processes (``torch.distributed.run``) that train notebook 20's Llama shape (its
+Each run launches ``nprocs`` gloo processes (``torch.distributed.run``) that train notebook 21's Llama shape (its
 Databricks job parameters: hidden 48, 2 layers, 3 heads, 1 key/value head, vocabulary 512, 48 tokens) under ZeRO-3
 for 12 steps of SGD with momentum on random tokens, and compares the gathered weights with one process trained on
 the same global batches. ``--thresholds`` are values of DeepSpeed's ``stage3_param_persistence_threshold``

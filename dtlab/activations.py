@@ -1,4 +1,4 @@
-"""Activation memory, measured, and recomputation (activation checkpointing) — notebook 18.
+"""Activation memory, measured, and recomputation (activation checkpointing) — notebook 19.
 
 Between a layer's forward and its backward, training keeps the tensors the backward needs: the
 *activations*. They grow with batch x sequence x width x layers and, at long sequences, they rather than
@@ -263,7 +263,7 @@ def recompute(model: nn.Module, mode: str, *, reentrant: bool = False, preserve_
     ``torch.utils.checkpoint.checkpoint`` and its state-dict keys stay those of the plain model.
     ``reentrant=False`` is PyTorch's recommended implementation (the reentrant one needs an input that requires
     grad and cannot be nested); ``preserve_rng_state=False`` saves the cost of stashing the RNG state, and is
-    wrong as soon as the block has dropout (notebook 18 shows it). With FSDP2, apply it before ``fully_shard``.
+    wrong as soon as the block has dropout (notebook 19 shows it). With FSDP2, apply it before ``fully_shard``.
 
     ``blocks`` is the dotted path to the ``ModuleList`` of blocks (``blocks_of``): ``"model.layers"`` for a Hugging
     Face Llama. ``selective`` says what to recompute inside a block: a dotted path (``"attn.core"``, TinyGPT's

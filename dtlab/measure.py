@@ -199,7 +199,7 @@ def max_diff(a: dict, b: dict) -> float:
 def plot_seconds(seconds: dict[str, float], title: str, xlabel: str = "seconds", color: str = "tab:purple"):
     """A small horizontal bar chart of named durations (the first name on top); returns the figure.
 
-    Notebooks 04 and 17 draw their launchers' costs with it: ``plot_seconds({"launch.run": 3.1, ...}, title)``.
+    Notebooks 04 and 18 draw their launchers' costs with it: ``plot_seconds({"launch.run": 3.1, ...}, title)``.
     """
     import matplotlib.pyplot as plt
 

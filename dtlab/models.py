@@ -101,12 +101,12 @@ class CausalSelfAttention(nn.Module):
 
     Queries, keys and values have a projection each (``q``, ``k``, ``v``) and the heads are read
     off the tensor's shape, so a tensor-parallel rank holding only some heads' rows of ``q/k/v``
-    (and the matching columns of ``proj``) runs this same code on its heads (notebook 13).
+    (and the matching columns of ``proj``) runs this same code on its heads (notebook 14).
 
     The attention itself (scores, softmax, weighted sum) is the submodule ``core``: PyTorch's fused
     ``scaled_dot_product_attention`` by default, or, with ``fused=False``, written out as
     ``softmax(q k^T / sqrt(d)) v``, which keeps the ``heads x seq x seq`` probabilities for its backward
-    (notebook 18 measures the difference and recomputes ``core`` alone: selective recomputation).
+    (notebook 19 measures the difference and recomputes ``core`` alone: selective recomputation).
     """
 
     def __init__(self, n_embd: int, n_head: int, fused: bool = True, dropout: float = 0.0):

@@ -2,7 +2,7 @@
 a trainer's request checked before the long wait, checkpoints read back, stray Ray processes found.
 
 The lesson's Ray lines (``TorchTrainer``, ``ScalingConfig``, ``ray.train.report``,
-``get_dataset_shard``...) stay in notebook 17; this module holds only the plumbing around them.
+``get_dataset_shard``...) stay in notebook 18; this module holds only the plumbing around them.
 
 * ``NEEDS_RAY`` / ``require()`` — the lesson is written and tested against Ray 2.60, whose Train
   API is "Train V2" (the default there: a controller actor, no extra CPU for a trainer actor,

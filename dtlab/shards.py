@@ -22,7 +22,7 @@ than the run expects (``ShardMismatch``), a stream state from another data set, 
 reader needs.
 
 Mosaic Streaming (``streaming.StreamingDataset``) is what Databricks documents for this on its ML runtimes;
-notebook 20 shows it beside this reader where it is installed (why this module exists too: its README).
+notebook 21 shows it beside this reader where it is installed (why this module exists too: its README).
 """
 
 from __future__ import annotations

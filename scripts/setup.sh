@@ -48,7 +48,7 @@ register_kernel() {
 if [ "${DTLAB_SETUP:-full}" = core ]; then
   register_kernel
   say "ready in $((SECONDS - start)) s (Horovod and DeepSpeed are built by the first lesson that needs one:" \
-      "05, 06, 10, 20; make setup builds both now)"
+      "05, 06, 10, 21; make setup builds both now)"
   exit 0
 fi
 

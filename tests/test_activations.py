@@ -1,4 +1,4 @@
-"""Activation memory and recomputation (``dtlab.activations``, notebook 18), on the course's transformer.
+"""Activation memory and recomputation (``dtlab.activations``, notebook 19), on the course's transformer.
 
 The measurements come from the allocator (the profiler's record of every allocation on a CPU) and from
 autograd's saved-tensor hooks; the references are Korthikanti et al. 2022's accounting

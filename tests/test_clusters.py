@@ -137,7 +137,7 @@ def test_the_process_tag_is_what_the_cluster_offers(path):
 
 
 #: Lessons the course job does not run, and why (said in databricks.yml too).
-NOT_ON_THE_JOBS_RUNTIME = {"17_ray_train": "Ray 2.60 would replace 15.4's pandas 1.5 / pyarrow 14 / packaging 23",
+NOT_ON_THE_JOBS_RUNTIME = {"18_ray_train": "Ray 2.60 would replace 15.4's pandas 1.5 / pyarrow 14 / packaging 23",
                            "05_horovod": "Horovod is on 15.4 LTS ML only: the job dtlab_horovod runs it there"}
 
 
@@ -159,9 +159,10 @@ def test_the_job_runs_every_notebook_in_order():
     aside = sorted(nb[:2] for nb in NOT_ON_THE_JOBS_RUNTIME)
     assert f"({' and '.join(aside)} aside)" in job["name"], job["name"]
     header = (ROOT / "databricks.yml").read_text().split("\nbundle:")[0]
-    assert f"00 -> 20 ({' and '.join(aside)} aside)" in header, "the bundle's header names the same lessons"
+    assert f"00 -> {last:02d} ({' and '.join(aside)} aside)" in header, "the bundle's header names the same lessons"
     readme = (ROOT / "clusters" / "README.md").read_text()
-    assert f"notebooks 00–20 ({' and '.join(aside)} aside)" in readme, "clusters/README.md names the same lessons"
+    assert f"notebooks 00–{last:02d} ({' and '.join(aside)} aside)" in readme, \
+        "clusters/README.md names the same lessons"
 
 
 def test_the_horovod_lesson_has_a_job_on_the_last_runtime_with_horovod_and_the_course_defaults_to_the_newest():

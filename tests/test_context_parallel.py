@@ -133,7 +133,7 @@ def torch_cp_on_cpu() -> str:
 
 @pytest.mark.slow
 def test_torchs_context_parallel_has_no_cpu_path_so_the_lessons_cell_is_gpu_only():
-    """Notebook 15 runs torch's context_parallel only on CUDA GPUs, on every torch. That rests on this: the CPU's
+    """Notebook 16 runs torch's context_parallel only on CUDA GPUs, on every torch. That rests on this: the CPU's
     attention kernel has no context-parallel rule (torch 2.7.0 and 2.13.0 alike). The day it runs, this fails
     and the lesson's cell (and SKIPPED_ON in tests/runtime) should run it on CPU too."""
     try:

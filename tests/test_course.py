@@ -48,6 +48,20 @@ def test_malformed_params_show_the_format(bad):
         course.parse_params([bad])
 
 
+def test_old_lesson_names_run_what_they_named_and_renumbered_numbers_say_so(capsys):
+    available = course.find_notebooks(NOTEBOOKS)
+    split = course.resolve(["12_fsdp_and_sharded_checkpoints"], available)
+    assert [p.stem for p in split] == ["12_fsdp", "13_sharded_checkpoints"]
+    assert "now 12_fsdp and 13_sharded_checkpoints" in capsys.readouterr().err
+    assert [p.stem for p in course.resolve(["19_choosing_a_strategy.ipynb"], available)] == ["20_choosing_a_strategy"]
+    assert [p.stem for p in course.resolve(["13"], available)] == ["13_sharded_checkpoints"]
+    assert "what was 13 (13_tensor_parallelism) is now 14_tensor_parallelism" in capsys.readouterr().err
+    course.resolve(["03"], available)
+    assert capsys.readouterr().err == ""                     # lessons 00-11 kept their numbers: no note
+    every_new = {new for news in course.RENAMED.values() for new in news}
+    assert every_new <= {p.stem for p in available}, "each old name forwards to a lesson that exists"
+
+
 def test_resolve_by_number_stem_and_file_name():
     available = course.find_notebooks(NOTEBOOKS)
     first = available[0]
@@ -131,7 +145,7 @@ def test_stop_leftovers_waits_for_processes_that_are_exiting_and_stops_the_rest(
 def test_the_first_lessons_need_no_build_and_horovods_and_deepspeeds_lessons_are_found():
     found = {p.stem[:2]: course.needed_builds(p) for p in course.find_notebooks()}
     assert all(found[n] == [] for n in ("00", "01", "02", "03", "04"))
-    assert found["05"] == ["horovod"] and found["06"] == ["deepspeed"] and "deepspeed" in found["20"]
+    assert found["05"] == ["horovod"] and found["06"] == ["deepspeed"] and "deepspeed" in found["21"]
 
 
 def test_a_lesson_that_imports_a_missing_package_gets_it_built_once_first(tmp_path, monkeypatch, capsys):

@@ -365,7 +365,7 @@ def test_fsdp2_on_gloo_averages_bit_for_bit_like_one_process():
                 assert torch.equal(rank_states[step][name], value), f"step {step + 1}: {name} differs"
 
 
-# --- gradient accumulation and HSDP (notebooks 12 and 16), and the per-connection byte counter they read ------
+# --- gradient accumulation and HSDP (notebooks 12 and 17), and the per-connection byte counter they read ------
 
 def all_reduce_sent(n):
     import torch.distributed as dist

@@ -34,9 +34,9 @@ def test_notebook_holds_with_other_parameters_and_its_solutions_work(notebook, t
 
 EDGE = [nb for nb in NOTEBOOKS if course.edge_parameters(nb)]
 #: Part 2 notebooks without an edge-of-range run, and why.
-NO_EDGE_RUN = {"17": "each Ray Train fit costs 15-40 s of fixed start-up on 2 cores; its one run (with solutions) "
+NO_EDGE_RUN = {"18": "each Ray Train fit costs 15-40 s of fixed start-up on 2 cores; its one run (with solutions) "
                      "already takes 3 minutes of make test",
-               "20": "its own runs already span process counts (N, then N + 1 from the same checkpoint, and one "
+               "21": "its own runs already span process counts (N, then N + 1 from the same checkpoint, and one "
                      "process); each TorchDistributor launch costs ~10 s on 2 cores, and its alt run resumes 3 -> 4"}
 
 

@@ -3,7 +3,7 @@
 measured (loopback counters) and must be what the planner's traffic says, priced with each collective's measured bytes
 per element; ZeRO-3's and FSDP2's grow with the micro-batches (they gather parameters and reduce gradients for every
 one), DDP's do not (no_sync).
-Step times are compared in notebook 19 and benchmarks/, never asserted here."""
+Step times are compared in notebook 20 and benchmarks/, never asserted here."""
 
 import pytest
 

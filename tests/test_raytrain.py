@@ -1,4 +1,4 @@
-"""Ray Train and Ray Data (notebook 17, ``dtlab.raytrain``), on a real local Ray.
+"""Ray Train and Ray Data (notebook 18, ``dtlab.raytrain``), on a real local Ray.
 
 The expensive test runs one Ray Train job in which a worker is killed mid-run, and compares its final
 weights with two references: the same DDP loop under ``dtlab.launch.run`` (bitwise: 2 CPU workers do
@@ -155,7 +155,7 @@ def test_ray_data_shards_are_disjoint_and_cover_all_but_fewer_than_n_rows(local_
     folder = raytrain.write_parquet(data.digits()[0], tmp_path / "digits")
     dataset = ray.data.read_parquet(str(folder))
     rows = dataset.count()
-    for n in (3,):                              # 2 workers: notebook 17's claims check every epoch's shards
+    for n in (3,):                              # 2 workers: notebook 18's claims check every epoch's shards
         shards = dataset.streaming_split(n, equal=True)
         seen = [[] for _ in range(n)]
 
@@ -237,7 +237,7 @@ def test_require_names_the_version_and_the_fix(monkeypatch):
 
 @pytest.mark.timeout(300)
 def test_ray_on_a_local_spark_master_refuses_sized_worker_nodes():
-    """Notebook 17's advice: sizing Ray's worker nodes needs Spark's stage-level scheduling, which a local master
+    """Notebook 18's advice: sizing Ray's worker nodes needs Spark's stage-level scheduling, which a local master
     (a Databricks single-node cluster's local[*, 4]) does not have; Ray itself refuses before starting anything."""
     from ray.util.spark import setup_ray_cluster
 

@@ -1,6 +1,6 @@
 """dtlab.shards: shards written from a table, streamed to ranks exactly once per epoch, resumed at any N.
 
-The claims notebook 20 makes about its data are held here too, and shown failing with a broken reader: every
+The claims notebook 21 makes about its data are held here too, and shown failing with a broken reader: every
 sample once per epoch (counted), the same next sample after a resume (also on another number of ranks), and a
 whole training loop — model, optimizer, data position — resumed bitwise at N = 2 and N = 3.
 """

@@ -123,7 +123,7 @@ def test_a_barrier_stage_larger_than_the_task_slots_is_refused_with_the_fix():
 
 def test_deepspeed_torch_distributor_builds_a_torchrun_command_with_the_config_for_the_script(tmp_path):
     """PySpark's own command builder (3.5 and 4.x): ``torch.distributed.run`` launches the script, and
-    ``--deepspeed --deepspeed_config <file>`` come after it, as the script's arguments (notebook 20 reads them)."""
+    ``--deepspeed --deepspeed_config <file>`` come after it, as the script's arguments (notebook 21 reads them)."""
     import sys
 
     from pyspark.ml.deepspeed.deepspeed_distributor import DeepspeedTorchDistributor

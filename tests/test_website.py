@@ -1,4 +1,4 @@
-"""The course website: built from a small real run (notebook 13, which has a plot and claims, and notebook
+"""The course website: built from a small real run (notebook 14, which has a plot and claims, and notebook
 00 made to fail), every page opened in headless Chromium, and the checker shown catching each fault."""
 
 import json
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    run_dir, results = course.run(["13"], ci=True, root=root, stream=False)
+    run_dir, results = course.run(["14"], ci=True, root=root, stream=False)
     failed = course.run_one(REPO / "notebooks" / "00_environment.ipynb", run_dir, {"nprocs": -1}, ci=True,
                             stream=False)
     assert results[0].status == "ok" and failed.status == "failed"
@@ -41,7 +41,7 @@ def test_every_page_opens_in_chromium_with_its_plots_and_links(site, run_dir):
     assert report.ok, "\n".join(report.problems)
     assert report.pages == 6  # home, two notebooks, API, search, index
     assert report.plots >= 1 and report.links > 50
-    assert report.folded >= 1                                  # notebook 13's claims cell, behind a toggle
+    assert report.folded >= 1                                  # notebook 14's claims cell, behind a toggle
     assert report.search_results >= 3  # home, API, the notebooks that name dtlab
     assert sorted(Path(p).name for p in report.screenshots) == ["site-home.png", "site-notebook.png"]
     for shot in report.screenshots:
@@ -49,8 +49,8 @@ def test_every_page_opens_in_chromium_with_its_plots_and_links(site, run_dir):
 
 
 def test_a_notebook_page_says_how_it_was_produced_and_lists_its_claims(site, run_dir):
-    page = (site / "13_tensor_parallelism.html").read_text()
-    claims = json.loads((run_dir / "13_tensor_parallelism.claims.json").read_text())
+    page = (site / "14_tensor_parallelism.html").read_text()
+    claims = json.loads((run_dir / "14_tensor_parallelism.claims.json").read_text())
     env = json.loads((run_dir / "environment.json").read_text())
     assert "How this page was produced" in page and f"{env['cpu_cores']} CPU cores" in page
     assert f"torch {env['torch']}" in page
@@ -95,7 +95,7 @@ def test_the_check_catches_each_fault(site, tmp_path):
     (broken / "searchindex.js").write_text("Search.setIndex({})")  # a search that finds nothing
     for png in (broken / "_images").glob("*.png"):  # plots that do not load
         png.unlink()
-    lesson = broken / "13_tensor_parallelism.html"              # its claims cell unfolded
+    lesson = broken / "14_tensor_parallelism.html"              # its claims cell unfolded
     lesson.write_text(re.sub(r"<details([^>]*)>", r"<details\1 open>", lesson.read_text()))
     home = broken / "index.html"
     home.write_text(home.read_text().replace(
@@ -105,12 +105,12 @@ def test_the_check_catches_each_fault(site, tmp_path):
     text = "\n".join(report.problems)
     assert "api.html: page missing" in text
     assert "index.html: broken link to nowhere.html" in text
-    assert "13_tensor_parallelism.html: 0 plots shown, its notebook has" in text
+    assert "14_tensor_parallelism.html: 0 plots shown, its notebook has" in text
     assert "requested https://cdn.example.com/x.js" in text
     assert "console error: boom" in text
     assert "searching for 'dtlab' found nothing" in text
-    assert "13_tensor_parallelism.html: 0 cells folded behind a toggle" in text
-    assert "13_tensor_parallelism.html: its claims cell's source is shown" in text
+    assert "14_tensor_parallelism.html: 0 cells folded behind a toggle" in text
+    assert "14_tensor_parallelism.html: its claims cell's source is shown" in text
 
 
 def test_bad_input_names_the_fix(tmp_path):

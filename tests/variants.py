@@ -12,9 +12,9 @@ lesson on:
   (``cluster`` tests: ``make test-runtime`` runs them on both).
 * **17.3 LTS ML** (the bundle's default): Part 2 and notebook 10, whose torch-gated cells (FSDP2, DTensor's public
   API, pipelining on gloo, context parallelism, torchrun's restarts) skip on torch 2.3 and run there; and the
-  capstone (20). ``SKIPPED_ON`` lists what still skips there, each with its reason (tested).
+  capstone (21). ``SKIPPED_ON`` lists what still skips there, each with its reason (tested).
 
-Notebook 17 (Ray) runs once, on the newest stack, with its solutions (``RUN_ONCE``: why). Each lesson thus
+Notebook 18 (Ray) runs once, on the newest stack, with its solutions (``RUN_ONCE``: why). Each lesson thus
 runs twice in CI, on two stacks, which keeps the three suites within their time budgets on 2 cores.
 """
 
@@ -26,10 +26,10 @@ from dtlab.tooling import runner as course
 NOTEBOOKS = course.find_notebooks(Path(__file__).resolve().parent.parent / "notebooks")
 #: The runtime each notebook's second run belongs to (the rest run theirs on the newest stack).
 SECOND_RUN_ON = {**{nb: "15.4" for nb in ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "11")},
-                 **{nb: "17.3" for nb in ("10", "12", "13", "14", "15", "16", "18", "19", "20")}}
+                 **{nb: "17.3" for nb in ("10", "12", "13", "14", "15", "16", "17", "19", "20", "21")}}
 RUNTIMES = ("15.4", "17.3")
 #: Notebooks that run once, with their solutions, on the newest stack only (the reason).
-RUN_ONCE = {"17": "Ray 2.60 would replace the runtime stack's pandas/pyarrow/packaging, and each Ray Train fit "
+RUN_ONCE = {"18": "Ray 2.60 would replace the runtime stack's pandas/pyarrow/packaging, and each Ray Train fit "
                   "costs 15-40 s of fixed start-up on 2 cores: a second full run would cost 5-6 minutes of make test"}
 
 

@@ -21,7 +21,7 @@ PyTorch's counterparts, each a thin wrapper that says which torch has the API an
     dtlab.parallel.fsdp2          fully_shard (FSDP2): which torch has it, what a rank holds
     dtlab.parallel.dtensor        DTensor's names on torch 2.3 and newer; collectives counted, activations saved
     dtlab.parallel.pipelining     which torch runs torch.distributed.pipelining, on which backend
-    dtlab.parallel.mesh           a checked, named device mesh for composing parallelism (notebook 16)
+    dtlab.parallel.mesh           a checked, named device mesh for composing parallelism (notebook 17)
     dtlab.parallel.side_by_side   DDP, ZeRO-3, FSDP2 and the scratch FSDP trained side by side: step time, bytes
 
 Import the one you need, e.g. ``from dtlab.parallel.data_parallel import DataParallel``.

@@ -22,7 +22,7 @@ block, so that after the last step they arrive at the rank that owns it. No rank
 its own block, the one it works on and the one in flight. ``naive_ring_attention`` is the same
 forward written with autograd: it is correct too, but autograd saves every received block and each
 step's probabilities — the whole sequence's keys and values on every rank, the memory context
-parallelism exists to remove (notebook 15 measures both).
+parallelism exists to remove (notebook 16 measures both).
 
 With a causal mask a query only sees keys at or before its position, so with the sequence cut
 into N contiguous pieces rank r needs only blocks 0..r: later blocks are skipped (no compute), and

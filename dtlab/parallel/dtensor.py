@@ -61,5 +61,5 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 class SavedActivations(SavedBytes):
-    """``dtlab.measure.SavedBytes`` under the name notebook 13 uses: the bytes autograd saves for backward
+    """``dtlab.measure.SavedBytes`` under the name notebook 14 uses: the bytes autograd saves for backward
     inside the ``with`` block, a DTensor counting its local part."""

@@ -1,4 +1,4 @@
-"""A named, checked DeviceMesh for composing parallelism (notebook 16); the layout model moved to the planner.
+"""A named, checked DeviceMesh for composing parallelism (notebook 17); the layout model moved to the planner.
 
 ``device_mesh("cpu", dp=2, tp=2)`` builds a mesh whose dimensions have names, refusing degrees that do
 not multiply to the world size before any collective runs; ``submesh(mesh, "tp")`` names the fix for a

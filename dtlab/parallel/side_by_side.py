@@ -16,7 +16,7 @@ batches with each strategy and measures, per optimizer step of M micro-batches:
 Each strategy accumulates gradients the way it does in practice: DDP under ``no_sync`` until the last
 micro-batch; FSDP2 reduce-scatters every micro-batch (or, "sync deferred", only the last:
 ``set_requires_gradient_sync``); the scratch FSDP synchronises after every backward; DeepSpeed's ZeRO-3 with
-``gradient_accumulation_steps = M``. Notebook 19 sets the result beside ``dtlab.planner.cost``'s prediction
+``gradient_accumulation_steps = M``. Notebook 20 sets the result beside ``dtlab.planner.cost``'s prediction
 for the same configuration.
 """
 

@@ -33,7 +33,7 @@ Every layer here is built *from* the unsharded layer (same seed on every rank, t
 its slice), so the tensor-parallel module starts equal to the unsharded one and tests can compare
 them. ``parallelize_gpt`` applies all of it to the course's ``TinyGPT``.
 
-What it leaves out: sequence parallelism (notebook 13 shows PyTorch's), a vocabulary-parallel
+What it leaves out: sequence parallelism (notebook 14 shows PyTorch's), a vocabulary-parallel
 cross-entropy (the logits are gathered here), and overlapping the all-reduces with compute.
 """
 

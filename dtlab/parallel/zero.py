@@ -202,7 +202,7 @@ def zero3_cpu_ranks(world_size: int, device: str, deepspeed_version: str | None 
     """How many CPU processes DeepSpeed ZeRO-3 can be trusted on here, and why fewer than ``world_size``.
 
     DeepSpeed before 0.19 with its CPU accelerator (gloo) sometimes trains wrong weights under ZeRO-3 on more than
-    2 processes: measured with 0.16.5 (Databricks Runtime 17.3 LTS ML's) on torch 2.7, notebook 20's model ended
+    2 processes: measured with 0.16.5 (Databricks Runtime 17.3 LTS ML's) on torch 2.7, notebook 21's model ended
     with weights far from one process's (several NaN) in 7 of 12 runs on 3 processes and 3 of 6 on 4, 0 of 8 on
     2; 0.19.8 on the same torch, 0 of 10 on 3; 0.14.4 (15.4's, torch 2.3) 3 of 8 on 3
     (``benchmarks/zero3_cpu.py``). On GPUs (nccl) nothing of this is known.

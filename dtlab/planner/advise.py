@@ -25,7 +25,7 @@ reason in ``row["skipped"]``, never raised. The recommendation is the fastest ro
 cluster described without its speeds the rows are ranked by memory only, and the advice says so.
 
 The model behind it is checked against published training runs (``dtlab.planner.published``), the
-ZeRO paper, DeepSpeed's estimators and runs measured on this machine (notebook 19).
+ZeRO paper, DeepSpeed's estimators and runs measured on this machine (notebook 20).
 """
 
 from __future__ import annotations

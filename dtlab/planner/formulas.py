@@ -2,7 +2,7 @@
 
 Everything here is arithmetic from published papers, with the paper named where the formula is
 given. ``dtlab.planner.cost`` combines these into a step time, ``dtlab.planner.advise`` ranks
-strategies with it; notebooks 06, 12 and 19 measure what the formulas predict.
+strategies with it; notebooks 06, 12 and 20 measure what the formulas predict.
 
 **Model states** (Rajbhandari et al., "ZeRO", 2019). With Ψ parameters trained by Adam in mixed
 precision, every GPU of plain data parallelism holds 2Ψ bytes of 16-bit parameters, 2Ψ of 16-bit
@@ -531,7 +531,7 @@ class SizeRule:
     advice: str
 
 
-#: ``SIZE_GUIDE_SOURCE``'s rows, as data. Its GPUs are H100-class (80 GB): notebooks 06 and 19 check the rows
+#: ``SIZE_GUIDE_SOURCE``'s rows, as data. Its GPUs are H100-class (80 GB): notebooks 06 and 20 check the rows
 #: on the course's A10Gs (24 GB), where the arithmetic answers differently.
 SIZE_GUIDE = [
     SizeRule(1e9, "< 1B", (1, 8), (1,), (1,), 1, "DP only"),
@@ -546,7 +546,7 @@ def size_guide(num_params: float) -> SizeRule:
     """The row of the published rule of thumb (``SIZE_GUIDE``, from ``SIZE_GUIDE_SOURCE``) for a model of
     ``num_params`` parameters, e.g. ``size_guide(7e9).advice == "TP=2-4 + DP"``.
 
-    A rule of thumb, not a computation: notebooks 06 and 19 check it against the planner. Beyond its last
+    A rule of thumb, not a computation: notebooks 06 and 20 check it against the planner. Beyond its last
     row (500B) it raises ``ValueError``.
     """
     for rule in SIZE_GUIDE:

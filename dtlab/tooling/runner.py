@@ -68,8 +68,34 @@ def find_notebooks(directory: str | os.PathLike | None = None) -> list[Path]:
     return sorted(p for p in directory.glob("[0-9][0-9]_*.ipynb"))
 
 
+#: The old names of lessons renumbered in December 2026, when notebook 12 became two lessons (12, FSDP; 13, sharded
+#: checkpoints) and 13-20 became 14-21. An old name still runs what it named, with a note, for one release.
+RENAMED = {"12_fsdp_and_sharded_checkpoints": ("12_fsdp", "13_sharded_checkpoints"),
+           **{f"{n}_{topic}": (f"{n + 1}_{topic}",) for n, topic in (
+               (13, "tensor_parallelism"), (14, "pipeline_parallelism"), (15, "context_and_expert_parallelism"),
+               (16, "composing_parallelism"), (17, "ray_train"), (18, "activation_recomputation"),
+               (19, "choosing_a_strategy"), (20, "from_table_to_registered_model"))}}
+
+
+def renumbering_note(name: str) -> str | None:
+    """What changed for ``name`` (a number from 12 to 21, or an old name) in the December 2026 renumbering, or None."""
+    stem = Path(name).stem
+    if stem in RENAMED:
+        return f"note: {stem} was renamed in December 2026: it is now {' and '.join(RENAMED[stem])}"
+    if not (stem.isdigit() and 12 <= int(stem) <= 21):
+        return None
+    number = f"{int(stem):02d}"
+    now = next(new for news in RENAMED.values() for new in news if new.startswith(number + "_"))
+    was = next((old for old in RENAMED if old.startswith(number + "_")), None)
+    moved = f"; what was {number} ({was}) is now {' and '.join(RENAMED[was])}" if was else ""
+    return f"note: the lessons were renumbered in December 2026: {number} is {now}{moved}"
+
+
 def resolve(names: list[str], available: list[Path]) -> list[Path]:
     """Map user-given names (``01``, ``01_single_device_baseline``, a file name or path) to notebooks.
+
+    A lesson's old name from before the December 2026 renumbering (``RENAMED``) runs what it named, with a note on
+    stderr; so does a number from 12 to 21, whose lesson changed then.
 
     Raises:
         CourseError: for a name that matches no notebook, listing the valid names.
@@ -83,6 +109,12 @@ def resolve(names: list[str], available: list[Path]) -> list[Path]:
             chosen.append(path)
             continue
         stem = path.stem if path.suffix == ".ipynb" else name
+        note = renumbering_note(stem)
+        if note:
+            print(note, file=sys.stderr)
+        if stem in RENAMED and not any(p.stem == stem for p in available):
+            chosen.extend(resolve(list(RENAMED[stem]), available))
+            continue
         matches = [p for p in available if p.stem == stem or p.stem.split("_", 1)[0] == stem]
         if len(matches) != 1:
             valid = ", ".join(p.stem for p in available) or "(none found)"

@@ -121,14 +121,14 @@ SKIPPED_ON = {
         "10_checkpoints_and_faults": ["Horovod section skipped: horovod is not installed"],
         # torch's context_parallel swaps the fused CUDA attention kernels: a GPU path on every torch (the CPU's
         # kernel has no context-parallel rule: tests/test_context_parallel.py); the lesson's own ring runs
-        "15_context_and_expert_parallelism": ["skipped: context_parallel replaces the fused CUDA attention kernels"],
+        "16_context_and_expert_parallelism": ["skipped: context_parallel replaces the fused CUDA attention kernels"],
         # torch 2.7's FSDP2 cannot run HSDP (a replicated 2-D mesh) on CPU processes: on GPUs it runs
-        "16_composing_parallelism": ["skipped: HSDP on CPU processes fails in torch 2.7.0"],
+        "17_composing_parallelism": ["skipped: HSDP on CPU processes fails in torch 2.7.0"],
     },
 }
 #: Printed lines with "skipped" that are not a skipped cell: the claims' verdict lines (``holds``/``FAILED``: 07 claims
 #: that its GradScaler skipped a step), a GradScaler's count of skipped steps (07), DeepSpeed's log of its own
-#: (``skipped=0``) and the planner's count of layouts it left out (19).
+#: (``skipped=0``) and the planner's count of layouts it left out (20).
 NOT_A_SKIP = re.compile(r"^(holds|FAILED) |skipped steps|skipped=\d|that cannot run skipped")
 
 
@@ -311,7 +311,7 @@ def test_without_a_context_or_credentials_worker_env_names_the_fix_and_the_works
 
 @pytest.mark.timeout(300)
 def test_dtlab_spark_stop_leaves_the_clusters_own_session_running(job, tmp_path):
-    """Item 3: notebook 17 ended with dtspark.stop(spark), which stopped the cluster's session (and, on
+    """Item 3: notebook 18 ended with dtspark.stop(spark), which stopped the cluster's session (and, on
     Databricks, the notebook's Py4J gateway). Now stop() stops only sessions dtlab.spark.session started."""
     out = _run_in_the_job(job, tmp_path, """
 from dtlab import spark as dtspark
