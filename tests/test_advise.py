@@ -128,6 +128,20 @@ def test_offload_to_a_host_of_unknown_size_is_neither_yes_nor_no():
     assert a.recommendation["strategy"] != "ZeRO-3 + optimizer offload"
 
 
+@pytest.mark.parametrize("memory", [None, 80, 94])
+def test_a_named_gpu_keeps_its_name_peak_and_measured_efficiency_whatever_memory_is_given(memory):
+    """Issue 41, item 1: advise(gpu="H100", gpus=8, gpu_mem_gb=80) priced an "80 GB GPU" at the all-runs median."""
+    from dtlab.planner import cost
+
+    advice = advise.advise(7e9, gpu="H100", gpus=8, gpu_mem_gb=memory)
+    h100 = hardware.gpu("H100")
+    assert advice.setup["efficiency"] == cost.EFFICIENCY["H100"] != cost.DEFAULT_EFFICIENCY
+    assert advice.cluster["name"] == "8 x H100", advice.cluster
+    c = advise.resolve_cluster(gpu="H100", gpus=8, gpu_mem_gb=memory)
+    assert c.gpu.peak_flops("bf16") == h100.peak_flops("bf16") and c.gpu.fp32_tflops == h100.fp32_tflops
+    assert c.gpu.memory_gb == (memory or h100.memory_gb)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"params": 0}, ValueError, "positive number of parameters. Fix"),
     ({"params": -7e9}, ValueError, "positive number"),

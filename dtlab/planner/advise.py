@@ -168,9 +168,9 @@ def resolve_cluster(cluster: str | hardware.Cluster | None = None, gpus: int | N
         n = gpus or 1
         per_node = hand.get("gpus_per_node") or next(d for d in (8, 4, 2, 1) if n % d == 0)
         return hardware.custom_cluster(n, gpu_mem_gb or kind.memory_bytes / formulas.GB, per_node,
-                                       hand.get("tflops") or kind.bf16_tflops or kind.fp16_tflops, kind.bf16,
+                                       hand.get("tflops") or 0.0, kind.bf16,
                                        hand.get("intra_node_gbs") or 0.0, hand.get("inter_node_gbs") or 0.0,
-                                       hand.get("host_memory_gb_per_gpu") or 0.0)
+                                       hand.get("host_memory_gb_per_gpu") or 0.0, gpu=kind)
     if gpus is None or gpu_mem_gb is None:
         if gpus is not None or gpu_mem_gb is not None:
             raise ValueError("a cluster described by hand needs both gpus and gpu_mem_gb. Fix: e.g. gpus=64, "

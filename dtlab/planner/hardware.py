@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GB = 10**9
 GiB = 2**30
@@ -236,7 +236,8 @@ class Cluster:
 
 def custom_cluster(gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = None, tflops: float = 0.0,
                    bf16: bool = True, intra_node_gbs: float = 0.0, inter_node_gbs: float = 0.0,
-                   host_memory_gb_per_gpu: float = 0.0, gpu_name: str | None = None) -> Cluster:
+                   host_memory_gb_per_gpu: float = 0.0, gpu_name: str | None = None,
+                   gpu: "GPU | str | None" = None) -> Cluster:
     """A cluster described by its numbers rather than its name (for GPUs and instances the course does not list).
 
     Args:
@@ -251,6 +252,9 @@ def custom_cluster(gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = 
         host_memory_gb_per_gpu: CPU memory per GPU in GB (for offloading); 0 when unknown.
         gpu_name: what to call the GPU (default: its memory, "80 GB GPU"); a name starting with a known GPU's
             ("A100 80GB") lets the planner use what it knows of that GPU (its measured efficiency).
+        gpu: a known GPU (``GPUS``' key or a ``GPU``): the cluster's GPUs are that one — its name, peaks and
+            measured efficiency kept — with ``gpu_memory_gb`` of memory (an 80 GB part of a 40 GB datasheet),
+            and ``tflops`` where given instead of its peak.
 
     Raises:
         ValueError: for sizes below 1, or GPUs that do not fill whole nodes (the message names the fix).
@@ -262,8 +266,15 @@ def custom_cluster(gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = 
     if gpus % per_node:
         raise ValueError(f"{gpus} GPUs do not fill whole nodes of {per_node}. Fix: a multiple of {per_node} GPUs, "
                          "or another gpus_per_node")
-    gpu_spec = GPU(gpu_name or f"{gpu_memory_gb:g} GB GPU", int(gpu_memory_gb * GB), round(gpu_memory_gb), bf16,
-                   tflops, tflops if bf16 else 0.0, 0.0)              # fp32 peak: unknown
+    if gpu is not None:                                                  # a known GPU keeps what is known of it
+        known = gpu if isinstance(gpu, GPU) else _lookup("GPU", gpu, GPUS)
+        peaks = {"fp16_tflops": tflops, "bf16_tflops": tflops if known.bf16 else 0.0} if tflops else {}
+        memory = int(gpu_memory_gb * GB)
+        gpu_spec = replace(known, name=gpu_name or known.name, memory_bytes=memory, **peaks,
+                           datasheet_gb=known.datasheet_gb if memory == known.memory_bytes else round(gpu_memory_gb))
+    else:
+        gpu_spec = GPU(gpu_name or f"{gpu_memory_gb:g} GB GPU", int(gpu_memory_gb * GB), round(gpu_memory_gb), bf16,
+                       tflops, tflops if bf16 else 0.0, 0.0)              # fp32 peak: unknown
     node_spec = NodeType(f"{per_node} x {gpu_spec.name}", per_node, gpu_spec, 0,
                          host_memory_gb_per_gpu * per_node * GB / GiB, inter_node_gbs * 8,
                          intra_node_gbs if per_node > 1 else 0.0, "described by hand")
