@@ -23,20 +23,26 @@ def test_zero3_gathers_and_reduces_every_micro_batch_ddp_once_per_step():
     assert z3 == pytest.approx(32 * (one["seconds"]["comm_exposed"] + one["seconds"]["comm_hidden"]))
     ddp1, ddp32 = price(Layout(dp=16, zero=0)), price(Layout(dp=16, zero=0), 32)
     assert ddp32["bytes_sent"]["dp"] == ddp1["bytes_sent"]["dp"]        # no_sync: one all-reduce per step
-    # per micro-batch a GPU sends (N-1)/N of its 16-bit parameters twice (gathers) and of its gradients once
-    assert one["bytes_sent"]["dp"] == pytest.approx(3 * 15 / 16 * 2 * 7e9)
-    assert ddp1["bytes_sent"]["dp"] == pytest.approx(2 * 15 / 16 * 2 * 7e9)   # 1.5x: ZeRO-3 over DDP at M = 1
+    # per micro-batch a GPU sends (N-1)/N of its 16-bit parameters twice (gathers) and of its gradients once, the
+    # gradients in fp32 (Setup.grad_reduce's default, as DDP under autocast, Megatron-LM and torchtitan reduce them)
+    assert one["bytes_sent"]["dp"] == pytest.approx(15 / 16 * (2 * 2 + 4) * 7e9)
+    assert ddp1["bytes_sent"]["dp"] == pytest.approx(2 * 15 / 16 * 4 * 7e9)   # as much: an fp32 all-reduce
+    # the ZeRO paper's 3 psi over 2 psi is with 16-bit gradients on the wire (DeepSpeed's default)
+    half = price(Layout(dp=16, zero=3), grad_reduce="bf16")["bytes_sent"]["dp"]
+    assert half / price(Layout(dp=16, zero=0), grad_reduce="bf16")["bytes_sent"]["dp"] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="grad_reduce='int8'"):
+        Setup(grad_reduce="int8")
 
 
 def test_zero2_reduce_scatters_every_micro_batch_and_gathers_once():
     one, four = price(Layout(dp=16, zero=2)), price(Layout(dp=16, zero=2), 4)
-    per_rs = 15 / 16 * 2 * 7e9
+    per_rs = 15 / 16 * 4 * 7e9                                     # fp32 gradients (Setup.grad_reduce)
     assert four["bytes_sent"]["dp"] - one["bytes_sent"]["dp"] == pytest.approx(3 * per_rs)
 
 
 def test_deferred_gradient_sync_reduces_once_and_holds_whole_gradients():
     every, deferred = price(Layout(dp=16, zero=3), 8), price(Layout(dp=16, zero=3, defer_grad_sync=True), 8)
-    per = 15 / 16 * 2 * 7e9
+    per = 15 / 16 * 4 * 7e9                                        # one reduce-scatter of fp32 gradients
     assert every["bytes_sent"]["dp"] - deferred["bytes_sent"]["dp"] == pytest.approx(7 * per)
     assert deferred["memory"]["grads"] == 2 * 7e9 and every["memory"]["grads"] == pytest.approx(2 * 7e9 / 16)
     with pytest.raises(LayoutError, match="Fix"):
@@ -131,8 +137,8 @@ def test_hsdp_gathers_inside_the_shard_group_and_all_reduces_a_slice_across_repl
     # 4 nodes of 4: ZeRO-3 inside each node, 4 replicas; per micro-batch a rank gathers its layers twice and
     # reduce-scatters once in the node, then all-reduces its quarter of the gradients with the other 3 nodes
     hsdp, z3 = price(Layout(dp=16, zero=3, shard=4), 8), price(Layout(dp=16, zero=3), 8)
-    grads = 2 * 7e9
-    assert hsdp["bytes_sent"]["dp"] == pytest.approx(3 / 4 * 3 * 8 * grads)
+    params, grads = 2 * 7e9, 4 * 7e9                     # on the wire: 16-bit parameters, fp32 gradients
+    assert hsdp["bytes_sent"]["dp"] == pytest.approx(3 / 4 * 8 * (2 * params + grads))
     assert hsdp["bytes_sent"]["replicate"] == pytest.approx(2 * 3 / 4 * 8 * grads / 4)
     assert "replicate" not in z3["bytes_sent"]
     assert cost.spread(Layout(dp=16, zero=3, shard=4), 4)["shard"] == (4, 1)          # inside one node
@@ -147,13 +153,18 @@ def test_hsdp_gathers_inside_the_shard_group_and_all_reduces_a_slice_across_repl
 def test_hsdp_keeps_fsdps_gathers_off_the_40_gbps_network():
     # ZeRO-3 over 16 GPUs on 4 g5 nodes crosses the network with every layer's gathers; HSDP only with the
     # gradients' all-reduce: less time exposed, faster steps, for 4x the model states
-    hsdp, z3 = price(Layout(dp=16, zero=3, shard=4), 8), price(Layout(dp=16, zero=3), 8)
+    # (with 16-bit gradients on the wire; in fp32 the gradients' all-reduce across nodes doubles and eats the gain)
+    hsdp, z3 = (price(Layout(dp=16, zero=3, shard=4), 8, grad_reduce="bf16"),
+                price(Layout(dp=16, zero=3), 8, grad_reduce="bf16"))
     assert hsdp["seconds"]["comm_exposed"] < 0.8 * z3["seconds"]["comm_exposed"]
     assert hsdp["seconds"]["total"] < z3["seconds"]["total"]
+    fp32_gain = (price(Layout(dp=16, zero=3, shard=4), 8)["seconds"]["total"]
+                 / price(Layout(dp=16, zero=3), 8)["seconds"]["total"])
+    assert fp32_gain > hsdp["seconds"]["total"] / z3["seconds"]["total"]
     # with the network as fast as the node's PCIe (a custom cluster) the network stops mattering and HSDP's gain goes
     fast = hardware.custom_cluster(16, 24, 4, 125, True, intra_node_gbs=10, inter_node_gbs=4 * 10)
-    fast_hsdp = price(Layout(dp=16, zero=3, shard=4), 8, cluster=fast)["seconds"]["total"]
-    fast_z3 = price(Layout(dp=16, zero=3), 8, cluster=fast)["seconds"]["total"]
+    fast_hsdp = price(Layout(dp=16, zero=3, shard=4), 8, cluster=fast, grad_reduce="bf16")["seconds"]["total"]
+    fast_z3 = price(Layout(dp=16, zero=3), 8, cluster=fast, grad_reduce="bf16")["seconds"]["total"]
     assert fast_hsdp / fast_z3 > hsdp["seconds"]["total"] / z3["seconds"]["total"]
 
 
@@ -161,10 +172,10 @@ def test_hsdp_can_defer_its_all_reduce_alone_or_all_its_gradient_sync():
     every = price(Layout(dp=16, zero=3, shard=4), 8)
     ar_once = price(Layout(dp=16, zero=3, shard=4, defer_all_reduce=True), 8)
     sync_once = price(Layout(dp=16, zero=3, shard=4, defer_grad_sync=True), 8)
-    grads = 2 * 7e9
+    grads, on_wire = 2 * 7e9, 4 * 7e9                    # held in 16 bits, reduced in fp32 (Setup.grad_reduce)
     assert every["bytes_sent"]["replicate"] == pytest.approx(8 * ar_once["bytes_sent"]["replicate"])
     assert ar_once["bytes_sent"]["dp"] == every["bytes_sent"]["dp"]                   # still reduce-scatters each
-    assert sync_once["bytes_sent"]["dp"] == pytest.approx(every["bytes_sent"]["dp"] - 7 * 3 / 4 * grads)
+    assert sync_once["bytes_sent"]["dp"] == pytest.approx(every["bytes_sent"]["dp"] - 7 * 3 / 4 * on_wire)
     assert ar_once["memory"]["grads"] == every["memory"]["grads"] == pytest.approx(grads / 4)   # kept sharded
     assert sync_once["memory"]["grads"] == grads                                                # held whole
     assert sync_once["seconds"]["total"] <= ar_once["seconds"]["total"] < every["seconds"]["total"]

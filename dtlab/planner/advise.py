@@ -90,8 +90,8 @@ class Advice:
                  f"{s['recompute']}; {c['name']}: {c['gpus']} GPUs of {c['gpu_memory_bytes'] / 1e9:.1f} GB "
                  f"({c['usable_bytes'] / 1e9:.1f} GB usable)",
                  "GB = 10^9 bytes per GPU; step in seconds" + (
-                     f"; compute at {s['efficiency']:.0%} of peak ({s['efficiency_source']})" if self.timed
-                     else " (not computed: see below)"),
+                     f"; compute at {s['efficiency']:.0%} of peak ({s['efficiency_source']}); gradients reduced in "
+                     f"{s.get('grad_reduce', 'fp32')}" if self.timed else " (not computed: see below)"),
                  f"{'strategy':<48}{'params':>7}{'grads':>7}{'optim':>7}{'activ':>7}{'other':>7}{'total':>7}"
                  f"{'host':>7}  fits{'step':>8}{'tokens/s':>10}{'MFU':>6}"]
         data = [r for r in self.priced if r["layout"]["tp"] == r["layout"]["pp"] == r["layout"]["cp"] == 1]
@@ -273,7 +273,8 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
            host_memory_gb_per_gpu: float | None = None, micro_batch: int = 1, seq_len: int = 2048,
            global_batch: int | None = None, precision: str = "bf16", optimizer: str = "adam",
            recompute: str = "selective", efficiency: float | None = None, headroom: float = formulas.HEADROOM,
-           flash_attention: bool = True, layout: Layout | dict | None = None, layouts: bool = True) -> Advice:
+           flash_attention: bool = True, layout: Layout | dict | None = None, layouts: bool = True,
+           grad_reduce: str = "fp32") -> Advice:
     """Price every strategy for a model on a cluster and recommend one; see the module's help.
 
     Args:
@@ -295,6 +296,8 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
             GPU, FlashAttention); False prices eager attention's memory (``formulas.layer_activation_bytes``).
         layout: one layout to price (a ``cost.Layout`` or ``{"dp": 4, "tp": 4}``) instead of every one;
             ``layouts=False`` prices data parallelism only.
+        grad_reduce: the format the data-parallel gradient collectives send: "fp32" (the default: DDP under
+            autocast, Megatron-LM, torchtitan) or "bf16" / "fp16" (DeepSpeed's default; ``cost.Setup``).
 
     Raises:
         ValueError: for sizes that are not positive, a hidden size not divisible by the heads, an unknown
@@ -330,7 +333,7 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
         raise ValueError(f"micro_batch={micro_batch} is larger than global_batch={global_batch}. Fix: a micro-batch "
                          f"of at most {global_batch} sequences")
     eff, eff_source = (efficiency, "given") if efficiency is not None else costs.efficiency_for(c.gpu)
-    setup = Setup(global_batch, micro_batch, seq_len, recompute, precision, eff, flash_attention)
+    setup = Setup(global_batch, micro_batch, seq_len, recompute, precision, eff, flash_attention, grad_reduce)
     timed = costs.can_time(c, precision)
 
     if layout is not None:
@@ -358,7 +361,7 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
                     setup={"micro_batch": micro_batch, "seq_len": seq_len, "global_batch": global_batch,
                            "precision": precision, "optimizer": optimizer, "recompute": recompute,
                            "efficiency": eff, "efficiency_source": eff_source, "headroom": headroom,
-                           "flash_attention": flash_attention},
+                           "flash_attention": flash_attention, "grad_reduce": grad_reduce},
                     cluster={"name": c.name, "gpus": g, "nodes": c.nodes, "gpus_per_node": c.node.gpus,
                              "gpu": c.gpu.name, "gpu_memory_bytes": c.gpu.memory_bytes, "usable_bytes": usable,
                              "host_bytes_per_gpu": c.node.cpu_memory_bytes_per_gpu},

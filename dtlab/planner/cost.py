@@ -62,9 +62,9 @@ from dtlab.planner.formulas import ModelShape, ring_factor
 #: Fraction of the GPU's peak FLOP/s the step's kernels reach while computing (not waiting), by GPU: for each,
 #: the median over the published runs on it (``dtlab/planner/published_runs.json``) of the value at which this
 #: model reproduces the run (``published.fitted_efficiency``; tests/test_published_runs.py recomputes them).
-EFFICIENCY = {"A100": 0.57, "H100": 0.40}
+EFFICIENCY = {"A100": 0.58, "H100": 0.40}
 #: For a GPU without published runs here (the course's A10G, T4, V100): the median over every run.
-DEFAULT_EFFICIENCY = 0.56
+DEFAULT_EFFICIENCY = 0.58
 
 
 def efficiency_for(gpu: hardware.GPU) -> tuple[float, str]:
@@ -286,6 +286,13 @@ class Setup:
     ``efficiency``: the fraction of peak FLOP/s while computing; None takes ``efficiency_for`` the cluster's GPU.
     ``flash_attention``: a fused attention kernel (FlashAttention; PyTorch's SDPA on a GPU) that keeps no
     sequence x sequence scores for backward (``formulas.layer_activation_bytes``); False for eager attention.
+    ``grad_reduce``: the number format the data-parallel gradient collectives (DDP's all-reduce, ZeRO's and FSDP's
+    reduce-scatter, HSDP's all-reduce across replicas) send. "fp32", the default, is what the frameworks do with
+    16-bit compute: PyTorch DDP under autocast (its gradients are the fp32 parameters'; notebook 07 measures the
+    bytes), Megatron-LM with ``--bf16`` (gradients accumulated and all-reduced in fp32) and torchtitan (FSDP2's
+    ``reduce_dtype`` float32). "bf16" / "fp16" is DeepSpeed's default ``communication_data_type`` under bf16 / fp16,
+    FSDP2's ``MixedPrecisionPolicy`` without a ``reduce_dtype``, or a DDP compression hook: half the bytes.
+    Parameter all-gathers travel in the compute format either way; memory keeps the ZeRO paper's accounting.
     """
 
     global_batch: int = 512
@@ -295,11 +302,22 @@ class Setup:
     precision: str = "bf16"
     efficiency: float | None = None
     flash_attention: bool = True
+    grad_reduce: str = "fp32"
 
     @property
     def value_bytes(self) -> int:
         """Bytes of one activation, gradient or 16-bit parameter value."""
         return 4 if self.precision == "fp32" else 2
+
+    def __post_init__(self) -> None:
+        if self.grad_reduce not in PRECISIONS:
+            raise ValueError(f"grad_reduce={self.grad_reduce!r}: use one of {', '.join(PRECISIONS)} (fp32: what DDP "
+                             "under autocast, Megatron-LM and torchtitan send; bf16: DeepSpeed's default)")
+
+    @property
+    def grad_reduce_bytes(self) -> int:
+        """Bytes of one gradient value in the data-parallel reductions (``grad_reduce``)."""
+        return 4 if self.grad_reduce == "fp32" else 2
 
 
 def check(num_params: float, shape: ModelShape, layout: Layout, cluster: hardware.Cluster, setup: Setup) -> int:
@@ -402,20 +420,21 @@ def traffic(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
     """
     m, vb, b = micro_batches, setup.value_bytes, setup.micro_batch
     share = math.ceil(shape.n_layer / layout.pp) / shape.n_layer
-    tensor = vb * num_params * share / layout.tp          # this GPU's gradients (or 16-bit parameters)
+    tensor = vb * num_params * share / layout.tp          # this GPU's parameters in the compute format
+    grads = setup.grad_reduce_bytes * num_params * share / layout.tp     # its gradients, as they are reduced
     out: dict[str, dict[str, float]] = {"dp": {}, "tp": {}, "cp": {}, "pp": {}}
     if layout.dp > 1:
         if layout.zero == 0:
-            out["dp"]["all_reduce"] = tensor
+            out["dp"]["all_reduce"] = grads
         elif layout.zero in (1, 2):
-            out["dp"]["reduce_scatter"] = tensor * (m if layout.zero == 2 else 1)
+            out["dp"]["reduce_scatter"] = grads * (m if layout.zero == 2 else 1)
             out["dp"]["all_gather"] = tensor
         else:
             out["dp"]["all_gather"] = 2 * m * tensor
-            out["dp"]["reduce_scatter"] = tensor * (1 if layout.defer_grad_sync else m)
+            out["dp"]["reduce_scatter"] = grads * (1 if layout.defer_grad_sync else m)
             if layout.hsdp:
                 syncs = 1 if layout.defer_grad_sync or layout.defer_all_reduce else m
-                out["replicate"] = {"all_reduce": syncs * tensor / layout.shard}
+                out["replicate"] = {"all_reduce": syncs * grads / layout.shard}
     layers = math.ceil(shape.n_layer / layout.pp)
     tokens = b * setup.seq_len // layout.cp
     if layout.tp > 1:

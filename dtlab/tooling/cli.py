@@ -85,7 +85,7 @@ def _advise(args: argparse.Namespace) -> int:
                                inter_node_gbs=args.inter_node_gbs, host_memory_gb_per_gpu=args.host_mem_gb_per_gpu,
                                micro_batch=args.micro_batch, seq_len=args.seq_len, global_batch=args.global_batch,
                                precision=args.precision, optimizer=args.optimizer, recompute=args.recompute,
-                               efficiency=args.efficiency, headroom=args.headroom,
+                               efficiency=args.efficiency, headroom=args.headroom, grad_reduce=args.grad_reduce,
                                layout=_parse_layout(args.layout) if args.layout else None,
                                layouts=not args.data_parallel_only)
     except ValueError as exc:  # also dtlab.planner.hardware.UnknownHardware
@@ -146,6 +146,9 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
                      help="sequences per optimizer step (default: >= 512, a multiple of micro-batch x GPUs)")
     adv.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     adv.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    adv.add_argument("--grad-reduce", choices=("fp32", "bf16", "fp16"), default="fp32",
+                     help="format of the gradients the data-parallel collectives send (default fp32: DDP under "
+                     "autocast, Megatron-LM, torchtitan; bf16: DeepSpeed's default)")
     adv.add_argument("--recompute", choices=formulas.RECOMPUTE, default="selective",
                      help="activation recomputation (default selective); full costs one more forward pass")
     adv.add_argument("--efficiency", type=_number(float, 0, 1.000001, low_ok=False,
