@@ -237,7 +237,7 @@ class Cluster:
 def custom_cluster(gpus: int, gpu_memory_gb: float, gpus_per_node: int | None = None, tflops: float = 0.0,
                    bf16: bool = True, intra_node_gbs: float = 0.0, inter_node_gbs: float = 0.0,
                    host_memory_gb_per_gpu: float = 0.0, gpu_name: str | None = None,
-                   gpu: "GPU | str | None" = None) -> Cluster:
+                   gpu: GPU | str | None = None) -> Cluster:
     """A cluster described by its numbers rather than its name (for GPUs and instances the course does not list).
 
     Args:
