@@ -1,4 +1,4 @@
-"""How often does DeepSpeed ZeRO-3 on CPU processes (gloo) train the wrong weights? (``zero.zero3_cpu_ranks``)
+"""How often does DeepSpeed ZeRO-3 on CPU processes (gloo) train the wrong weights? (``zero.zero3_cpu_fault``)
 
     .venv-dbr17.3/bin/python benchmarks/zero3_cpu.py [--runs 12] [--nprocs 3] [--thresholds 100000 0]
 
@@ -19,7 +19,7 @@ Measured on the course's CI machine (2 cores), torch 2.7 (Databricks 17.3's stac
 | 0.14.4, torch 2.3 | 3 | 0 | 0 of 12 |
 | 0.16.5 | 3 | 100,000 | 7 of 12 (5 NaN or > 1e12) |
 | 0.16.5 | 3 | 0 | 1 of 12 |
-| 0.16.5 | 2 | 100,000 | 0 of 8 |
+| 0.16.5 | 2 | 100,000 | 0 of 8 (counted while this script was blind to NaN; a CI run later had a NaN) |
 | 0.16.5 | 4 | 100,000 | 3 of 6 (3 NaN or > 1e17) |
 | 0.19.8 | 3 | 100,000 | 0 of 10 |
 

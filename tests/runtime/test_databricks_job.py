@@ -124,6 +124,9 @@ SKIPPED_ON = {
         "16_context_and_expert_parallelism": ["skipped: context_parallel replaces the fused CUDA attention kernels"],
         # torch 2.7's FSDP2 cannot run HSDP (a replicated 2-D mesh) on CPU processes: on GPUs it runs
         "17_composing_parallelism": ["skipped: HSDP on CPU processes fails in torch 2.7.0"],
+        # DeepSpeed 0.16.5's ZeRO-3 on CPU processes sometimes trains wrong weights (zero.zero3_cpu_fault): the
+        # capstone still launches it, but does not hold its weights to one process's there
+        "21_from_table_to_registered_model": ["skipped: the comparison with one process: DeepSpeed 0.16.5"],
     },
 }
 #: Printed lines with "skipped" that are not a skipped cell: the claims' verdict lines (``holds``/``FAILED``: 07 claims
