@@ -109,6 +109,22 @@ def test_sgd_keeps_a_third_less_optimizer_state_than_adam():
     assert adam == 12e9 and sgd == pytest.approx(8e9)
 
 
+def test_a_layout_inside_the_headroom_reads_tight_not_does_not_fit():
+    """Issue 41 item 7: a 3B model, 8k tokens, micro-batch 3, no recomputation, FSDP on 8 x H100 80 GB trained, but
+    read "does not fit" (75.0 GB against 68 usable). Inside the headroom it reads "tight"; only above the GPU's
+    memory "does not fit"; the recommendation still takes only what fits with the headroom kept."""
+    a = advise.advise(3e9, gpu="H100", gpus=8, gpu_mem_gb=80, seq_len=8192, micro_batch=3, recompute="none",
+                      layout=advise.Layout(dp=8, zero=3))
+    row = a.rows[0]
+    usable, whole = a.cluster["usable_bytes"], a.cluster["gpu_memory_bytes"]
+    assert usable < row["memory_bytes"]["total"] <= whole and row["fit"] == "tight" and row["fits"] is False
+    assert "tight" in a.table() and a.recommendation is None
+    bigger = advise.advise(3e9, gpu="H100", gpus=8, gpu_mem_gb=80, seq_len=8192, micro_batch=4, recompute="none",
+                           layout=advise.Layout(dp=8, zero=3)).rows[0]
+    assert bigger["memory_bytes"]["total"] > whole and bigger["fit"] == "does not fit"
+    assert advise.advise(3e9, gpu="H100", gpus=8, layout=advise.Layout(dp=8, zero=3)).rows[0]["fit"] == "fits"
+
+
 def test_nothing_is_recommended_when_nothing_fits():
     a = advise.advise(70e9, cluster="g5.12xlarge", recompute="none")
     assert not any(r["fits"] for r in a.rows) and a.recommendation is None

@@ -49,7 +49,8 @@ STRATEGIES = [Layout(zero=0), Layout(zero=1), Layout(zero=2), Layout(zero=3), La
 SHOWN_LAYOUTS = 6
 #: How many HSDP rows the table shows (the fastest that fit first).
 SHOWN_HSDP = 3
-_FITS = {True: "yes ", False: "no  ", None: "?   "}   # ?: offloaded to a host whose memory was not given
+#: The table's word for ``cost.fit_state`` (?: offloaded to a host whose memory was not given).
+_FITS = {"fits": "yes  ", "tight": "tight", "does not fit": "no   ", None: "?    "}
 
 
 @dataclass
@@ -88,12 +89,13 @@ class Advice:
         lines = [f"{m['params'] / 1e9:g}B parameters ({m['shape']}), {s['precision']} {s['optimizer']}, micro-batch "
                  f"{s['micro_batch']} x {s['seq_len']:,} tokens, global batch {s['global_batch']}, recompute "
                  f"{s['recompute']}; {c['name']}: {c['gpus']} GPUs of {c['gpu_memory_bytes'] / 1e9:.1f} GB "
-                 f"({c['usable_bytes'] / 1e9:.1f} GB usable)",
+                 f"({c['usable_bytes'] / 1e9:.1f} GB usable: {s['headroom']:.0%} kept free; 'tight' is inside that "
+                 "headroom: it may run)",
                  "GB = 10^9 bytes per GPU; step in seconds" + (
                      f"; compute at {s['efficiency']:.0%} of peak ({s['efficiency_source']}); gradients reduced in "
                      f"{s.get('grad_reduce', 'fp32')}" if self.timed else " (not computed: see below)"),
                  f"{'strategy':<48}{'params':>7}{'grads':>7}{'optim':>7}{'activ':>7}{'other':>7}{'total':>7}"
-                 f"{'host':>7}  fits{'step':>8}{'tokens/s':>10}{'MFU':>6}"]
+                 f"{'host':>7}  fits {'step':>8}{'tokens/s':>10}{'MFU':>6}"]
         data = [r for r in self.priced if r["layout"]["tp"] == r["layout"]["pp"] == r["layout"]["cp"] == 1]
         hsdp = [r for r in data if r["layout"]["hsdp"]]
         data = [r for r in data if r not in hsdp]
@@ -110,7 +112,7 @@ class Advice:
             lines.append(f"{r['strategy'][:47]:<48}" + "".join(f"{mem[k] / 1e9:7.1f}" for k in
                                                              ("params", "grads", "optimizer", "activations",
                                                               "buffers", "total"))
-                         + f"{r['cpu_bytes'] / 1e9:7.1f}  {_FITS[r['fits']]}{step}")
+                         + f"{r['cpu_bytes'] / 1e9:7.1f}  {_FITS[r['fit']]}{step}")
         hidden = len(composed) + len(hsdp) - (len(shown) - len(data))
         skipped = [r for r in self.rows if r["skipped"]]
         if hidden or skipped:
@@ -233,7 +235,8 @@ def _row(num_params: float, shape: ModelShape, layout: Layout, c: hardware.Clust
                                                "shard": layout.shard,
                                                "hsdp": layout.hsdp, "defer_all_reduce": layout.defer_all_reduce},
            "offload": {"optimizer": layout.offload_optimizer, "params": layout.offload_params},
-           "memory_bytes": None, "cpu_bytes": 0.0, "fits": False, "step_seconds": None, "tokens_per_second": None,
+           "memory_bytes": None, "cpu_bytes": 0.0, "fits": False, "fit": None, "step_seconds": None,
+           "tokens_per_second": None,
            "mfu": None, "hfu": None, "micro_batches": None, "bytes_sent": None, "skipped": None, "note": ""}
     try:
         result = costs.cost(num_params, layout, c, setup, shape, headroom)
@@ -256,10 +259,11 @@ def _row(num_params: float, shape: ModelShape, layout: Layout, c: hardware.Clust
     fits: bool | None = mem["total"] <= usable
     if fits and cpu > 0:
         fits = cpu <= host if host > 0 else None
+    fit = costs.fit_state(mem["total"], c.gpu.memory_bytes, headroom, cpu, c.node.cpu_memory_bytes_per_gpu)
     layers = math.ceil(shape.n_layer / layout.pp)
     note = (f"pipeline stages of {layers} and {shape.n_layer - layers * (layout.pp - 1)} layers"
             if shape.n_layer % layout.pp else "")
-    row.update(memory_bytes=mem, cpu_bytes=cpu, fits=fits, micro_batches=result["micro_batches"], note=note,
+    row.update(memory_bytes=mem, cpu_bytes=cpu, fits=fits, fit=fit, micro_batches=result["micro_batches"], note=note,
                step_seconds=result["seconds"], tokens_per_second=result["tokens_per_second"], mfu=result["mfu"],
                hfu=result["hfu"], bytes_sent=result["bytes_sent"])
     return row

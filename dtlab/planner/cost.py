@@ -455,12 +455,29 @@ def bytes_sent(traffic_: dict[str, dict[str, float]], layout: Layout) -> dict[st
             for dim, ops in traffic_.items()}
 
 
+#: What ``fit`` says of a layout's memory: within ``1 - headroom`` of the GPU; above that but within the GPU's whole
+#: memory (the headroom is the planner's margin for the CUDA context, communication buffers and fragmentation, which a
+#: run that trained may well have needed less of: it may run); above the GPU's memory.
+FIT_STATES = ("fits", "tight", "does not fit")
+
+
+def fit_state(total: float, gpu_bytes: float, headroom: float, cpu: float = 0.0,
+              host_bytes: float = 0.0) -> str | None:
+    """``FIT_STATES``' word for ``total`` bytes per GPU (and ``cpu`` bytes offloaded per GPU, against ``host_bytes``
+    of host memory per GPU), or None where an offload meets a host whose memory was not given."""
+    if cpu > 0 and host_bytes <= 0:
+        return None if total <= gpu_bytes * (1 - headroom) else "does not fit"
+    worst = max(total / gpu_bytes, cpu / host_bytes if cpu > 0 else 0.0)
+    return "fits" if worst <= 1 - headroom else ("tight" if worst <= 1 else "does not fit")
+
+
 def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, setup: Setup | None = None,
          shape: ModelShape | None = None, headroom: float = formulas.HEADROOM) -> dict:
     """Memory per GPU and step time of ``layout`` training a ``num_params`` model on ``cluster``.
 
     Returns a dict: ``layout`` (its name), ``micro_batches``, ``memory`` (``memory()``), ``fits`` (within
-    ``1 - headroom`` of the GPU and of the host memory per GPU), ``inside_node``, ``bytes_sent``
+    ``1 - headroom`` of the GPU and of the host memory per GPU), ``fit`` (``fit_state``: "fits", "tight" inside
+    the headroom, "does not fit", or None), ``headroom``, ``inside_node``, ``bytes_sent``
     (per GPU, by dimension), ``seconds`` (``compute``, ``recompute`` (part of compute), ``comm_exposed``,
     ``comm_hidden``, ``bubble``, ``offload``, ``total``, and ``by_dimension``: exposed seconds per
     dimension, ``dp`` with HSDP's all-reduce across replicas), ``tokens_per_second``, ``mfu`` and ``hfu``.
@@ -482,7 +499,8 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
     if fits and mem["cpu"] > 0:
         fits = (mem["cpu"] <= host) if host > 0 else None        # None: a host whose memory was not given
 
-    base = {"layout": layout.name, "micro_batches": m, "memory": mem, "fits": fits,
+    fit = fit_state(mem["total"], c.gpu.memory_bytes, headroom, mem["cpu"], c.node.cpu_memory_bytes_per_gpu)
+    base = {"layout": layout.name, "micro_batches": m, "memory": mem, "fits": fits, "fit": fit, "headroom": headroom,
             "inside_node": inside_node(layout, c.node.gpus)}
     if not can_time(c, setup.precision):
         return {**base, "bytes_sent": None, "seconds": None, "tokens_per_second": None, "mfu": None, "hfu": None}

@@ -142,7 +142,8 @@ def run(name: str) -> Run:
 def compare(r: Run, efficiency: float | None = None, alternatives: bool = True) -> dict[str, Any]:
     """The prediction for ``r``'s layout beside its measurement, and the model's best alternative layout.
 
-    Returns ``name``, ``layout`` (the one priced), ``fits``, ``memory_gb`` (per GPU), ``measured`` and
+    Returns ``name``, ``layout`` (the one priced), ``fits``, ``fit`` (``cost.fit_state``), ``memory_gb`` (per GPU),
+    ``measured`` and
     ``predicted`` (tokens/s per GPU), ``ratio`` (predicted / measured), ``exempt`` (the checks the run is
     left out of, with why), and with ``alternatives``:
     ``best_other`` (the fastest other layout that fits, by the model, at the run's batch and micro-batch)
@@ -151,7 +152,8 @@ def compare(r: Run, efficiency: float | None = None, alternatives: bool = True) 
     priced = [r.price(lay, efficiency) for lay in r.layouts()]
     mine = max(priced, key=lambda p: p["tokens_per_second"])
     gpus = r.record["cluster"]["gpus"]
-    out = {"name": r.name, "layout": mine["layout"], "fits": mine["fits"], "memory_gb": mine["memory"]["total"] / 1e9,
+    out = {"name": r.name, "layout": mine["layout"], "fits": mine["fits"], "fit": mine["fit"],
+           "memory_gb": mine["memory"]["total"] / 1e9,
            "measured": r.measured_tokens_per_s_per_gpu, "predicted": mine["tokens_per_second"] / gpus}
     out["ratio"] = out["predicted"] / out["measured"]
     out["exempt"] = dict(r.record.get("exempt", {}))
@@ -221,7 +223,8 @@ def format_table(rows: list[dict[str, Any]] | None = None) -> str:
              "layout (model) |", "|---|---|---|---:|---:|---:|---|"]
     for row in rows:
         other = (f"{row['best_other']}: {row['best_other_ratio']:.2f}x" if row.get("best_other") else "none fits")
-        fits = "yes" if row["fits"] else ("not checked" if "fits" in row["exempt"] else "no")
+        fits = {"fits": "yes", "tight": "tight", "does not fit": "no"}.get(row["fit"], "?")
+        fits += " (not checked)" if "fits" in row["exempt"] else ""
         ratio = f"{row['ratio']:.2f}" + (" (not checked)" if "throughput" in row["exempt"] else "")
         lines.append(f"| {row['name']} | {row['layout']} | {fits} | {row['measured']:,.0f} | "
                      f"{row['predicted']:,.0f} | {ratio} | {other} |")
