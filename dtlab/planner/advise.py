@@ -254,12 +254,8 @@ def _row(num_params: float, shape: ModelShape, layout: Layout, c: hardware.Clust
                                              layout.zero).optimizer
             cpu += _optimizer_bytes(adam_cpu, setup.precision, layout.zero, optimizer) - adam_cpu
         mem["total"] = sum(v for k, v in mem.items() if k != "total")
-    usable = c.gpu.memory_bytes * (1 - headroom)
-    host = c.node.cpu_memory_bytes_per_gpu * (1 - headroom)
-    fits: bool | None = mem["total"] <= usable
-    if fits and cpu > 0:
-        fits = cpu <= host if host > 0 else None
     fit = costs.fit_state(mem["total"], c.gpu.memory_bytes, headroom, cpu, c.node.cpu_memory_bytes_per_gpu)
+    fits = None if fit is None else fit == "fits"
     layers = math.ceil(shape.n_layer / layout.pp)
     note = (f"pipeline stages of {layers} and {shape.n_layer - layers * (layout.pp - 1)} layers"
             if shape.n_layer % layout.pp else "")

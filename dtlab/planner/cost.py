@@ -493,13 +493,8 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
     shape = shape or formulas.model_shape(num_params)
     m = check(num_params, shape, layout, c, setup)
     mem = memory(num_params, shape, layout, setup, m)
-    usable = c.gpu.memory_bytes * (1 - headroom)
-    host = c.node.cpu_memory_bytes_per_gpu * (1 - headroom)
-    fits: bool | None = mem["total"] <= usable
-    if fits and mem["cpu"] > 0:
-        fits = (mem["cpu"] <= host) if host > 0 else None        # None: a host whose memory was not given
-
     fit = fit_state(mem["total"], c.gpu.memory_bytes, headroom, mem["cpu"], c.node.cpu_memory_bytes_per_gpu)
+    fits = None if fit is None else fit == "fits"                 # None: a host whose memory was not given
     base = {"layout": layout.name, "micro_batches": m, "memory": mem, "fits": fits, "fit": fit, "headroom": headroom,
             "inside_node": inside_node(layout, c.node.gpus)}
     if not can_time(c, setup.precision):
