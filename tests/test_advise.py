@@ -184,6 +184,8 @@ def test_dtlab_advise_json_gives_bytes_per_strategy(capsys):
     ddp = next(s for s in out["strategies"] if s["strategy"] == "DDP")
     assert ddp["memory_bytes"]["params"] + ddp["memory_bytes"]["grads"] + ddp["memory_bytes"]["optimizer"] == 120e9
     assert out["step_time_computed"] is False and out["recommendation"]["strategy"] == "ZeRO-2"
+    assert all(s["evidence"]["family"] and s["evidence"]["text"] for s in out["strategies"])      # issue 41 item 8
+    assert out["recommendation"]["evidence"]["family"] == "ZeRO-1/2"
 
 
 def test_dtlab_advise_table_and_bad_input(capsys):

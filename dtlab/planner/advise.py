@@ -95,7 +95,7 @@ class Advice:
                      f"; compute at {s['efficiency']:.0%} of peak ({s['efficiency_source']}); gradients reduced in "
                      f"{s.get('grad_reduce', 'fp32')}" if self.timed else " (not computed: see below)"),
                  f"{'strategy':<48}{'params':>7}{'grads':>7}{'optim':>7}{'activ':>7}{'other':>7}{'total':>7}"
-                 f"{'host':>7}  fits {'step':>8}{'tokens/s':>10}{'MFU':>6}"]
+                 f"{'host':>7}  fits {'step':>8}{'tokens/s':>10}{'MFU':>6}  evidence"]
         data = [r for r in self.priced if r["layout"]["tp"] == r["layout"]["pp"] == r["layout"]["cp"] == 1]
         hsdp = [r for r in data if r["layout"]["hsdp"]]
         data = [r for r in data if r not in hsdp]
@@ -105,6 +105,10 @@ class Advice:
         def best(rows, n):
             return sorted(rows, key=lambda r: (r["fits"] is not True, key(r)))[:n]
         shown = data + best(hsdp, SHOWN_HSDP) + best(composed, SHOWN_LAYOUTS)
+        families: dict[str, str] = {}          # family -> its letter in the evidence column
+        for r in shown + ([self.row(self.recommendation["strategy"])] if self.recommendation else []):
+            if r.get("evidence"):
+                families.setdefault(r["evidence"]["family"], "ABCDEFGHIJ"[len(families) % 10])
         for r in shown:
             mem = r["memory_bytes"]
             step = (f"{r['step_seconds']['total']:8.2f}{r['tokens_per_second']:10,.0f}{r['mfu']:6.0%}"
@@ -112,12 +116,20 @@ class Advice:
             lines.append(f"{r['strategy'][:47]:<48}" + "".join(f"{mem[k] / 1e9:7.1f}" for k in
                                                              ("params", "grads", "optimizer", "activations",
                                                               "buffers", "total"))
-                         + f"{r['cpu_bytes'] / 1e9:7.1f}  {_FITS[r['fit']]}{step}")
+                         + f"{r['cpu_bytes'] / 1e9:7.1f}  {_FITS[r['fit']]}{step:<32}"
+                         + (f"  {families[r['evidence']['family']]}" if r.get("evidence") else ""))
         hidden = len(composed) + len(hsdp) - (len(shown) - len(data))
         skipped = [r for r in self.rows if r["skipped"]]
         if hidden or skipped:
             lines.append(f"({hidden} more layouts priced, {len(skipped)} that cannot run skipped: Advice.rows has "
                          "each with its reason)")
+        if families:
+            lines.append("Evidence: the nearest published measured run of each strategy family (dtlab.planner."
+                         "published)")
+            evidence = {r["evidence"]["family"]: r["evidence"] for r in self.priced if r.get("evidence")}
+            for family, letter in families.items():
+                lines.append(textwrap.fill(f"{letter} {family}: {evidence[family]['text']}", 110,
+                                           subsequent_indent="    "))
         rec = self.recommendation
         lines.append(textwrap.fill(f"Recommendation: {rec['strategy']} - {rec['reason']}" if rec else
                                    "Recommendation: none - " + nothing_fits(self), 110, subsequent_indent="  "))
@@ -354,6 +366,13 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
         if layouts:
             candidates += candidate_layouts(shape, g, c.node.gpus)
     rows = [_row(num_params, shape, lay, c, setup, optimizer, headroom) for lay in candidates]
+    from dtlab.planner import published      # it prices its runs with advise: imported here, not at the top
+
+    for r in rows:
+        lay = r["layout"]
+        r["evidence"] = published.evidence(
+            published.family_of(lay["tp"], lay["pp"], lay["cp"], lay["zero"], r["offload"]["optimizer"]),
+            num_params, g, c.gpu.name)
     usable = c.gpu.memory_bytes * (1 - headroom)
     advice = Advice(model={"params": num_params, "shape": shape.describe(), "n_layer": shape.n_layer,
                            "n_embd": shape.n_embd, "n_head": shape.n_head, "n_kv_head": shape.n_kv_head,
@@ -402,7 +421,7 @@ def _recommend(advice: Advice, usable: float) -> dict[str, Any] | None:
                f"{usable / 1e9:.1f} usable GB per GPU); step time not computed: give the GPU's tflops and the "
                "bandwidths, or a cluster name")
     return {"strategy": best["strategy"], "reason": why, "tokens_per_second": best["tokens_per_second"],
-            "layout": best["layout"]}
+            "layout": best["layout"], "evidence": best.get("evidence")}
 
 
 def nothing_fits(advice: Advice) -> str:

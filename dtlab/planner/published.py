@@ -211,6 +211,81 @@ def held_out(r: Run, fitted: dict[str, list[float]] | None = None) -> dict[str, 
     return compare(r, statistics.median(pool), alternatives=False)
 
 
+#: How far a published run may be from the priced case and still be evidence "at this scale": parameters and GPUs
+#: each within this factor, either way.
+SCALE_FACTOR = {"params": 4.0, "gpus": 8.0}
+
+
+def family_of(tp: int, pp: int, cp: int = 1, zero: int = 0, offload: bool = False) -> str:
+    """The strategy family a layout belongs to, as the evidence column matches runs to layouts: "DDP",
+    "ZeRO-1/2", "ZeRO-3 / FSDP" (HSDP included), "ZeRO-Offload", "TP x DP", "TP x ZeRO-3 / FSDP", "PP (x DP)",
+    "TP x PP (x DP)" (any ZeRO stage over DP) or "context parallel"."""
+    if cp > 1:
+        return "context parallel"
+    if tp > 1 and pp > 1:
+        return "TP x PP (x DP)"
+    if pp > 1:
+        return "PP (x DP)"
+    if tp > 1:
+        return "TP x ZeRO-3 / FSDP" if zero == 3 else "TP x DP"
+    if offload:
+        return "ZeRO-Offload"
+    return "ZeRO-3 / FSDP" if zero == 3 else "ZeRO-1/2" if zero in (1, 2) else "DDP"
+
+
+def run_family(r: Run) -> str:
+    """``family_of`` a published run's layout (a model-parallel size without its split counts as TP x PP)."""
+    lay = r.record["layout"]
+    if lay["tp"] is None:
+        return "TP x PP (x DP)" if lay["model_parallel"] > r.record["cluster"]["gpus_per_node"] else "TP x DP"
+    return family_of(lay["tp"], lay["pp"], lay["cp"], lay["zero"])
+
+
+@functools.lru_cache(maxsize=None)
+def _ratio(name: str) -> float:
+    return compare(run(name), alternatives=False)["ratio"]
+
+
+def evidence(family: str, params: float, gpus: int, gpu: str = "") -> dict[str, Any]:
+    """The published measured run nearest to ``params`` on ``gpus`` GPUs among those of strategy ``family``: what
+    a layout the planner prices rests on beside its arithmetic.
+
+    Nearest by parameters and GPU count (log distance), a run on the same GPU family preferred. Returns
+    ``family``, ``run`` (None when the records hold no run of the family), its ``params``, ``gpus`` and ``gpu``,
+    ``measured_tokens_per_s_per_gpu``, ``measured_tflops_per_gpu`` (when the source gives it), ``predicted_over_
+    measured`` (this planner on that run's own layout), ``exempt`` (why the planner's throughput check leaves the
+    run out, or None), ``at_scale`` (parameters within ``SCALE_FACTOR["params"]``
+    and GPUs within ``SCALE_FACTOR["gpus"]``, either way) and ``text``, one line for people.
+    """
+    import math
+
+    same = [r for r in runs() if run_family(r) == family]
+    out: dict[str, Any] = {"family": family, "run": None, "at_scale": False}
+    if not same:
+        out["text"] = f"never measured: no published {family} run in the planner's records"
+        return out
+    wanted = next((f for f in cost.EFFICIENCY if gpu.upper().startswith(f)), gpu)
+
+    def distance(r: Run) -> float:
+        return (abs(math.log(r.params / params)) + abs(math.log(r.record["cluster"]["gpus"] / gpus))
+                + (0.0 if r.family == wanted else 0.5))
+    near = min(same, key=distance)
+    c, m = near.record["cluster"], near.record["measured"]
+    out.update(run=near.name, params=near.params, gpus=c["gpus"], gpu=c["gpu"],
+               measured_tokens_per_s_per_gpu=near.measured_tokens_per_s_per_gpu,
+               measured_tflops_per_gpu=m.get("tflops_per_gpu"), predicted_over_measured=_ratio(near.name),
+               at_scale=(max(near.params / params, params / near.params) <= SCALE_FACTOR["params"]
+                         and max(c["gpus"] / gpus, gpus / c["gpus"]) <= SCALE_FACTOR["gpus"]))
+    tflops = f", {out['measured_tflops_per_gpu']:g} TFLOP/s" if out["measured_tflops_per_gpu"] else ""
+    out["exempt"] = near.exempt("throughput")
+    measured = (f"{near.name}: {out['measured_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU measured{tflops}; "
+                f"this planner predicts {out['predicted_over_measured']:.2f}x that"
+                + (" (a run the planner's throughput check leaves out: published_runs.json says why)"
+                   if out["exempt"] else ""))
+    out["text"] = measured if out["at_scale"] else f"never measured at this scale; the nearest is {measured}"
+    return out
+
+
 def table(efficiency: float | None = None) -> list[dict[str, Any]]:
     """``compare`` for every run, in the file's order."""
     return [compare(r, efficiency) for r in runs()]
