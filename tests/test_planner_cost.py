@@ -199,3 +199,53 @@ def test_impossible_hsdp_layouts_are_refused_with_the_fix(kwargs, words):
     with pytest.raises(LayoutError, match=words) as err:
         Layout(**kwargs)
     assert "Fix" in str(err.value)
+
+
+# --- Issue 41 item 2: context parallelism -----------------------------------------------------------------
+
+LONG = cost.Setup(16, 1, 32768, "none")
+
+
+def test_context_parallel_ranks_reduce_gradients_and_shard_zero_like_data_parallel_ranks_of_the_same_count():
+    """CP ranks hold the same weights and see different tokens: their gradients are reduced, and ZeRO shards its
+    states, over DP x CP (Megatron-LM, torchtitan). CP4 therefore sends what DP4 sends over its gradient group and
+    holds what DP4 holds of the optimizer. Before the fix CP4 sent 0 bytes and kept all of Adam's state."""
+    cp4 = cost.cost(7e9, Layout(cp=4), "g5.12xlarge", LONG)
+    dp4 = cost.cost(7e9, Layout(dp=4), "g5.12xlarge", cost.Setup(16, 1, 32768 // 4, "none"))
+    assert cp4["bytes_sent"]["dp"] == dp4["bytes_sent"]["dp"] == 0.75 * (4 + 2) * 7e9   # fp32 RS + bf16 AG, ring 3/4
+    assert cp4["memory"]["optimizer"] == dp4["memory"]["optimizer"] == 12 * 7e9 / 4
+    ddp = cost.cost(7e9, Layout(cp=2, dp=2, zero=0), "g5.12xlarge", LONG)
+    assert ddp["bytes_sent"]["dp"] == 2 * 3 / 4 * 4 * 7e9          # the all-reduce over the 4 ranks of DP x CP
+
+
+def test_ring_attention_hides_k_v_hops_behind_the_chunks_attention_as_far_as_it_lasts():
+    """At 32k tokens a chunk's attention outlasts its K/V hop on the g5's PCIe: nothing is exposed. On a network
+    100x slower than the attention could hide, the excess is exposed, and never more than the whole transfer."""
+    fast = cost.cost(7e9, Layout(cp=4), "g5.12xlarge", LONG)
+    assert fast["bytes_sent"]["cp"] > 0 and fast["seconds"]["by_dimension"]["cp"] == 0.0
+    slow_net = hardware.custom_cluster(4, 24, 4, 125, True, 0.05, 0.05)
+    slow = cost.cost(7e9, Layout(cp=4), slow_net, LONG)
+    members, nodes = cost.spread(Layout(cp=4), 4)["cp"]
+    whole = cost.p2p_seconds(cost.traffic(7e9, formulas.model_shape(7e9), Layout(cp=4), LONG, 16)["cp"]["send"],
+                             members, nodes, slow_net)
+    assert 0 < slow["seconds"]["by_dimension"]["cp"] < whole
+
+
+def test_advise_lists_context_parallel_layouts_for_long_sequences_only():
+    from dtlab.planner import advise
+
+    long = advise.advise(7e9, cluster="g5.12xlarge x4", seq_len=32768, global_batch=64, recompute="full")
+    cp_rows = [r for r in long.priced if r["layout"]["cp"] > 1]
+    assert cp_rows and all(r["bytes_sent"]["dp"] > 0 for r in cp_rows)
+    assert {r["layout"]["zero"] for r in cp_rows} == {1, 3}
+    assert all(32768 // r["layout"]["cp"] >= advise.MIN_CP_CHUNK for r in cp_rows)
+    short = advise.advise(7e9, cluster="g5.12xlarge x4")
+    assert not [r for r in short.rows if r["layout"]["cp"] > 1]
+
+
+def test_a_mixture_of_experts_config_is_refused_with_what_to_do():
+    mixtral = {"model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000, "num_local_experts": 8}
+    with pytest.raises(ValueError, match="8 experts per MoE layer.*not priced.*notebook 16"):
+        formulas.shape_from_hf(mixtral)
+    assert formulas.shape_from_hf({**mixtral, "num_local_experts": 1}).n_layer == 32    # one expert is dense

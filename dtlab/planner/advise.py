@@ -208,11 +208,19 @@ def hsdp_layouts(gpus: int, gpus_per_node: int) -> list[Layout]:
             Layout(dp=gpus, zero=3, shard=shard, defer_grad_sync=True)]
 
 
-def candidate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int) -> list[Layout]:
+#: Sequences of at least this many tokens also get context-parallel layouts (``candidate_layouts``).
+LONG_SEQUENCE = 16384
+#: The fewest tokens a context-parallel rank keeps (shorter chunks leave too little attention to hide K/V behind).
+MIN_CP_CHUNK = 2048
+
+
+def candidate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int = 0) -> list[Layout]:
     """TP x PP x DP layouts worth pricing: TP dividing the heads and the GPUs, in groups that fill nodes evenly; PP
     dividing what is left (at most one layer per stage), DP the rest; ZeRO-1 over DP, and ZeRO-3 over DP where there
     is no pipeline; and where TP leaves room in a node and DP spans nodes, HSDP sharded over the node's TP groups
-    (the all-reduce across replicas once per step)."""
+    (the all-reduce across replicas once per step). For sequences of ``LONG_SEQUENCE`` tokens or more, TP x CP x DP
+    too: CP dividing the sequence into chunks of at least ``MIN_CP_CHUNK`` tokens, with ZeRO-1 and ZeRO-3 over
+    DP x CP (torchtitan's FSDP x CP, Megatron-LM's ``--context-parallel-size``)."""
     out = []
     for tp in range(1, gpus + 1):
         if gpus % tp or shape.n_head % tp or (gpus_per_node % tp if tp <= gpus_per_node else tp % gpus_per_node):
@@ -227,6 +235,12 @@ def candidate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int) -> list[
                 shard = gpus_per_node // tp
                 if 1 < shard < dp and dp % shard == 0:
                     out.append(Layout(dp=dp, tp=tp, zero=3, shard=shard, defer_all_reduce=True))
+        if seq_len >= LONG_SEQUENCE:
+            for cp in range(2, gpus // tp + 1):
+                if (gpus // tp) % cp or seq_len % cp or seq_len // cp < MIN_CP_CHUNK:
+                    continue
+                dp = gpus // (tp * cp)
+                out += [Layout(dp=dp, tp=tp, cp=cp, zero=1), Layout(dp=dp, tp=tp, cp=cp, zero=3)]
     return out
 
 
@@ -364,10 +378,9 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
         if c.nodes > 1:
             candidates += hsdp_layouts(g, c.node.gpus)
         if layouts:
-            candidates += candidate_layouts(shape, g, c.node.gpus)
+            candidates += candidate_layouts(shape, g, c.node.gpus, seq_len)
     rows = [_row(num_params, shape, lay, c, setup, optimizer, headroom) for lay in candidates]
-    from dtlab.planner import published      # it prices its runs with advise: imported here, not at the top
-
+    from dtlab.planner import published  # it prices its runs with advise: imported here, not at the top
     for r in rows:
         lay = r["layout"]
         r["evidence"] = published.evidence(

@@ -29,12 +29,14 @@ micro-batches of ``b`` sequences, and the strategies communicate where they real
                forward is recomputed), on the critical path
     PP         one activation forward and one gradient backward per micro-batch and stage
                boundary; a bubble of (P-1)/(v*M + P - 1) of the pipeline's time
-    CP         keys and values passed around the ring, forward and backward
+    CP         keys and values passed around the ring, forward and backward, each hop hidden behind
+               the attention of the chunk computed meanwhile as far as it lasts; CP ranks hold the
+               same weights, so gradients are reduced, and ZeRO shards, over DP x CP
 
 Communication hides behind the compute that can hide it and no more: a prefetched all-gather
 behind the forward pass (except the first layer's), gradients behind the backward pass (except
 the last layer's reduce), DDP's once-per-step all-reduce behind the *last* micro-batch's backward
-only. TP, CP and PP transfers are not hidden.
+only, ring attention's K/V hops behind the attention chunks. TP and PP transfers are not hidden.
 
 **Links are shared** by the groups that use them at once. Inside a node a GPU sends at
 ``intra_node_gbs`` (NVLink, or what a collective gets over PCIe). Across nodes a group's ring is
@@ -164,10 +166,18 @@ class Layout:
         """Copies of the model states across DP (``dp / shard`` under HSDP, else 1)."""
         return self.dp // self.shard_degree
 
+    @property
+    def state_shards(self) -> int:
+        """Ranks that share one copy of the model states and reduce their gradients together: the DP shard group
+        times CP. Context-parallel ranks hold the same weights and see different tokens, so their gradients are
+        reduced (and ZeRO shards its states) over DP x CP, as Megatron-LM's data-parallel group with context
+        parallelism and torchtitan's ``dp_shard_cp`` mesh do."""
+        return self.shard_degree * self.cp
+
     def degree(self, dim: str) -> int:
-        """Ranks in one group of ``dim`` as ``traffic`` keys it: ``"dp"`` is the shard group under HSDP (where ZeRO's
-        gathers and reduce-scatters run), ``"replicate"`` its replicas; else a degree (``"tp"``...)."""
-        return {"dp": self.shard_degree, "replicate": self.replicas}.get(dim) or getattr(self, dim)
+        """Ranks in one group of ``dim`` as ``traffic`` keys it: ``"dp"`` is the group that reduces gradients (the
+        shard group under HSDP, times CP: ``state_shards``), ``"replicate"`` its replicas; else a degree."""
+        return {"dp": self.state_shards, "replicate": self.replicas}.get(dim) or getattr(self, dim)
 
     @property
     def name(self) -> str:
@@ -187,6 +197,8 @@ class Layout:
         text = " x ".join(parts)
         if self.virtual > 1:
             text += f" (v{self.virtual})"
+        if self.dp == 1 and self.cp > 1 and self.zero:          # ZeRO over the context-parallel ranks alone
+            text += f" (ZeRO-{self.zero} over CP)"
         if self.dp > 1:
             kind = f"HSDP shard {self.shard}" if self.hsdp else f"ZeRO-{self.zero}"
             deferred = ", sync deferred" if self.defer_grad_sync else ""
@@ -217,6 +229,11 @@ def spread(layout: Layout, gpus_per_node: int) -> dict[str, tuple[int, int]]:
             out["shard"] = place(layout.shard, stride)
             out["replicate"] = place(layout.replicas, stride * layout.shard)
         stride *= getattr(layout, name)
+    if layout.cp > 1:   # the gradient group is DP (or HSDP's shard group) x CP: its members on a node multiply
+        for name, degree in (("dp", layout.dp), ("shard", layout.shard)):
+            if name in out:
+                members = out[name][0] * out["cp"][0]
+                out[name] = (members, math.ceil(degree * layout.cp / members))
     return out
 
 
@@ -365,8 +382,9 @@ def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
     (ZeRO-3's gathered layers), ``total``, and ``cpu`` (offloaded to host memory, per GPU).
 
     Model states follow ``formulas.model_states`` for this GPU's slice (``Ψ / TP`` of its pipeline
-    stage's layers; the stage with the most layers when they do not divide evenly), shared by the shard group
-    under HSDP, not by all of DP. Activations follow ``formulas.layer_activation_bytes`` divided by TP
+    stage's layers; the stage with the most layers when they do not divide evenly), sharded by ZeRO over
+    ``Layout.state_shards`` (DP x CP; the shard group x CP under HSDP).
+    Activations follow ``formulas.layer_activation_bytes`` divided by TP
     (sequence parallelism assumed); under 1F1B the first stage holds ``min(M, P)`` micro-batches of ``L/P``
     layers (interleaving adds ``(P-1)/(P*v)`` of that); the last holds the fp32 logits
     (``formulas.logits_bytes``).
@@ -375,7 +393,7 @@ def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
     precision = "fp32" if setup.precision == "fp32" else "mixed"
     share = math.ceil(shape.n_layer / layout.pp) / shape.n_layer
     slice_params = num_params * share / layout.tp
-    states = formulas.model_states(slice_params, layout.shard_degree, layout.zero, precision,
+    states = formulas.model_states(slice_params, layout.state_shards, layout.zero, precision,
                                    layout.offload_optimizer, layout.offload_params)
     grads = states.grads
     if layout.defer_grad_sync:                      # whole gradients until the step's last micro-batch
@@ -415,15 +433,16 @@ def traffic(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
     """Bytes per GPU per step of each collective, by dimension: ``{"dp": {"all_reduce": ..., ...}, ...}``.
 
     Sizes are per rank as nccl-tests counts them (the all-reduce's tensor, the all-gather's output, the
-    reduce-scatter's input); ``bytes_sent`` multiplies by ``ring_factor``. Under HSDP ``"dp"`` holds what runs in
-    the shard group, and ``"replicate"`` the all-reduce of this rank's 1/shard of the gradients across replicas.
+    reduce-scatter's input); ``bytes_sent`` multiplies by ``ring_factor``. ``"dp"`` is the gradient group, DP x CP
+    (``Layout.state_shards``); under HSDP it holds what runs in the shard group (x CP), and ``"replicate"`` the
+    all-reduce of this rank's share of the gradients across replicas.
     """
     m, vb, b = micro_batches, setup.value_bytes, setup.micro_batch
     share = math.ceil(shape.n_layer / layout.pp) / shape.n_layer
     tensor = vb * num_params * share / layout.tp          # this GPU's parameters in the compute format
     grads = setup.grad_reduce_bytes * num_params * share / layout.tp     # its gradients, as they are reduced
     out: dict[str, dict[str, float]] = {"dp": {}, "tp": {}, "cp": {}, "pp": {}}
-    if layout.dp > 1:
+    if layout.dp * layout.cp > 1:
         if layout.zero == 0:
             out["dp"]["all_reduce"] = grads
         elif layout.zero in (1, 2):
@@ -434,7 +453,7 @@ def traffic(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
             out["dp"]["reduce_scatter"] = grads * (1 if layout.defer_grad_sync else m)
             if layout.hsdp:
                 syncs = 1 if layout.defer_grad_sync or layout.defer_all_reduce else m
-                out["replicate"] = {"all_reduce": syncs * grads / layout.shard}
+                out["replicate"] = {"all_reduce": syncs * grads / (layout.shard * layout.cp)}
     layers = math.ceil(shape.n_layer / layout.pp)
     tokens = b * setup.seq_len // layout.cp
     if layout.tp > 1:
@@ -522,7 +541,7 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
 
     # data parallelism: per collective call, what can hide it
     dp_exposed = dp_total = 0.0
-    if layout.dp > 1:
+    if layout.dp * layout.cp > 1:
         layers = math.ceil(shape.n_layer / layout.pp)
         one = flows["dp"]
         if layout.zero == 0:
@@ -554,10 +573,16 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
             dp_total = 2 * m * ag + (m - 1) * early + last
     tp_calls = m * math.ceil(shape.n_layer / layout.pp) * (4 + (2 if setup.recompute == "full" else 0))
     tp_s = coll("tp", "all_reduce", flows["tp"].get("all_reduce", 0.0), tp_calls)
-    cp_s = 0.0
+    cp_s = cp_total = 0.0
     if layout.cp > 1:   # the ring: cp - 1 steps, each a send to the next rank (a p2p per step)
         members, nodes = spread_["cp"]
-        cp_s = p2p_seconds(flows["cp"]["send"], members, nodes, c)
+        cp_total = p2p_seconds(flows["cp"]["send"], members, nodes, c)
+        # Ring attention sends the next K/V block while it computes with the current one (notebook 16 measures
+        # the overlap): cp - 1 of each layer's cp attention chunks, forward and backward, can hide the transfers.
+        attention = 4.0 * (setup.micro_batch * setup.seq_len / layout.cp) * setup.seq_len * shape.n_embd / layout.tp
+        passes = 3 + (1 if setup.recompute in ("full", "selective") else 0)
+        hideable = m * math.ceil(shape.n_layer / layout.pp) * passes * attention * (layout.cp - 1) / layout.cp / rate
+        cp_s = max(0.0, cp_total - hideable)
     pp_s = 0.0
     if layout.pp > 1:
         members, nodes = spread_["pp"]
@@ -580,7 +605,8 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
     whole = formulas.training_flops(step_tokens, shape, setup.seq_len, setup.recompute, num_params)
     return {**base, "bytes_sent": bytes_sent(flows, layout),
             "seconds": {"compute": compute, "recompute": m * recompute, "comm_exposed": exposed,
-                        "comm_hidden": dp_total - dp_exposed, "bubble": bubble, "offload": offload, "total": total,
+                        "comm_hidden": dp_total - dp_exposed + cp_total - cp_s, "bubble": bubble, "offload": offload,
+                        "total": total,
                         "by_dimension": {"dp": dp_exposed, "tp": tp_s, "cp": cp_s, "pp": pp_s}},
             "tokens_per_second": step_tokens / total,
             "mfu": whole.model / (total * layout.gpus * peak), "hfu": whole.hardware / (total * layout.gpus * peak)}

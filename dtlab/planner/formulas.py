@@ -333,15 +333,27 @@ def shaped(shape: ModelShape, **changes) -> ModelShape:
     return new
 
 
+#: Config keys that give a mixture-of-experts model's experts per layer (Mixtral, Qwen-MoE / OLMoE, DeepSeek, DBRX).
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
 def shape_from_hf(config: Any) -> ModelShape:
     """The shape of a Hugging Face decoder-only model from its config (a ``transformers`` ``PretrainedConfig``,
     or its ``config.json`` as a dict): layers, hidden size, heads, key/value heads, MLP width, vocabulary, tied
     embeddings; a SwiGLU ("silu") MLP counts three matrices, as in LLaMA.
 
     Raises:
-        ValueError: a config without a decoder's fields (named).
+        ValueError: a config without a decoder's fields (named); a mixture-of-experts config (``MOE_KEYS``), whose
+        expert parallelism the planner does not price (the message says what to do instead).
     """
     get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    experts = next((int(get(k)) for k in MOE_KEYS if get(k) and int(get(k)) > 1), 0)
+    if experts:
+        raise ValueError(f"a mixture-of-experts model ({experts} experts per MoE layer): the planner prices dense "
+                         "models only; expert parallelism (an all-to-all per MoE layer each way, the experts' states "
+                         "sharded over the expert-parallel ranks) is not priced. Fix: notebook 16 measures an MoE "
+                         "layer's all-to-all on your machine; plan the attention and dense layers with a dense shape "
+                         "(--layers, --hidden, --heads) and add the experts' memory by hand")
     names = {"num_hidden_layers": ("n_layer",), "hidden_size": ("n_embd",), "num_attention_heads": ("n_head",)}
     values = {}
     for key, aliases in names.items():

@@ -241,7 +241,7 @@ def run_family(r: Run) -> str:
     return family_of(lay["tp"], lay["pp"], lay["cp"], lay["zero"])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ratio(name: str) -> float:
     return compare(run(name), alternatives=False)["ratio"]
 
