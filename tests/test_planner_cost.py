@@ -2,6 +2,8 @@
 use them, memory by part, and layouts that cannot run refused with the fix. Its numbers against published runs are
 tests/test_published_runs.py; against runs on this machine, tests/test_planner_measured.py."""
 
+import math
+
 import pytest
 
 from dtlab.planner import cost, formulas, hardware
@@ -249,3 +251,56 @@ def test_a_mixture_of_experts_config_is_refused_with_what_to_do():
     with pytest.raises(ValueError, match="8 experts per MoE layer.*not priced.*notebook 16"):
         formulas.shape_from_hf(mixtral)
     assert formulas.shape_from_hf({**mixtral, "num_local_experts": 1}).n_layer == 32    # one expert is dense
+
+
+# --- Issue 41 item 5: the frameworks' schedule assumptions as settings ------------------------------------
+
+GPT = formulas.ModelShape("GPT layer", n_layer=24, n_embd=2048, n_head=16, source="test", dropout=True)
+
+
+def _layer_activations(setup, layout):
+    """Activations of the layers alone (the fp32 logits, split by TP either way, taken out)."""
+    mem = cost.memory(1.3e9, GPT, layout, setup)
+    return mem["activations"] - formulas.logits_bytes(setup.micro_batch, setup.seq_len, GPT.vocab) / layout.tp
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tensor_parallelism_without_sequence_parallelism_keeps_korthikantis_replicated_10sbh(tp):
+    """Korthikanti et al. 2022, Table 2: per layer with selective recomputation, sbh(10 + 24/t) bytes with tensor
+    parallelism alone and sbh(34/t) with sequence parallelism: their ratio is (10 + 24/t) / (34/t)."""
+    setup = Setup(64, 1, 2048, "selective")
+    with_sp = _layer_activations(setup, Layout(dp=1, tp=tp))
+    without = _layer_activations(Setup(64, 1, 2048, "selective", sequence_parallel=False), Layout(dp=1, tp=tp))
+    assert without / with_sp == pytest.approx((10 + 24 / tp) / (34 / tp), rel=1e-9)
+
+
+def test_gpipe_holds_every_micro_batch_where_1f1b_holds_as_many_as_stages():
+    layout, m = Layout(dp=1, pp=4), 16
+    one_f = _layer_activations(Setup(m, 1, 2048, "selective"), layout)
+    gpipe = _layer_activations(Setup(m, 1, 2048, "selective", schedule="gpipe"), layout)
+    assert gpipe / one_f == pytest.approx(m / 4, rel=1e-9)
+    with pytest.raises(ValueError, match="schedule='zb'"):
+        Setup(schedule="zb")
+
+
+def test_megatrons_bucket_rule_pays_the_rings_latency_fewer_times_at_large_dp():
+    """DDP's 25 MB buckets split 7B's fp32 gradients into 1,120 all-reduces; Megatron-LM's max(40M, 1M x DP)
+    parameters makes 7 at DP 1,024 (1.024B parameters each): 1,113 latencies fewer, and nothing else changes."""
+    cluster = hardware.cluster("p4d.24xlarge x128")
+    layout, setup = Layout(dp=1024, zero=0), Setup(1024, 1, 2048, "selective")
+    ddp = cost.cost(7e9, layout, cluster, setup)
+    megatron = cost.cost(7e9, layout, cluster, Setup(1024, 1, 2048, "selective", bucket_bytes=None))
+    assert cost.megatron_bucket_bytes(1024) == 1024e6 * 4
+    assert math.ceil(4 * 7e9 / 25e6) - math.ceil(7e9 / 1024e6) == 1113
+    members, nodes = cost.spread(layout, 8)["dp"]
+    saved = 1113 * cost.collective_latency("all_reduce", members, nodes, cluster)
+    total = {k: r["seconds"]["comm_hidden"] + r["seconds"]["by_dimension"]["dp"] for k, r in
+             (("ddp", ddp), ("megatron", megatron))}
+    assert total["ddp"] - total["megatron"] == pytest.approx(saved, rel=1e-6)
+
+
+def test_zero_offload_copies_gradients_to_the_host_every_micro_batch():
+    layout = Layout(dp=4, zero=2, offload_optimizer=True)
+    one, eight = (cost.cost(7e9, layout, "g5.12xlarge", Setup(4 * m, 1, 2048, "selective"))["seconds"]["offload"]
+                  for m in (1, 8))
+    assert eight - one == pytest.approx(7 * 2 * 7e9 / 4 / (cost.PCIE_GBS * 1e9), rel=1e-9)

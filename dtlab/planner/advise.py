@@ -300,7 +300,8 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
            global_batch: int | None = None, precision: str = "bf16", optimizer: str = "adam",
            recompute: str = "selective", efficiency: float | None = None, headroom: float = formulas.HEADROOM,
            flash_attention: bool = True, layout: Layout | dict | None = None, layouts: bool = True,
-           grad_reduce: str = "fp32") -> Advice:
+           grad_reduce: str = "fp32", sequence_parallel: bool = True, schedule: str = "1f1b",
+           bucket_bytes: float | None = costs.BUCKET_BYTES) -> Advice:
     """Price every strategy for a model on a cluster and recommend one; see the module's help.
 
     Args:
@@ -324,6 +325,9 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
             ``layouts=False`` prices data parallelism only.
         grad_reduce: the format the data-parallel gradient collectives send: "fp32" (the default: DDP under
             autocast, Megatron-LM, torchtitan) or "bf16" / "fp16" (DeepSpeed's default; ``cost.Setup``).
+        sequence_parallel, schedule, bucket_bytes: tensor parallelism with sequence parallelism (True), the
+            pipeline schedule ("1f1b" or "gpipe") and the gradient bucket (25 MB, DDP's; None for Megatron-LM's
+            rule); ``cost.Setup`` says what each changes.
 
     Raises:
         ValueError: for sizes that are not positive, a hidden size not divisible by the heads, an unknown
@@ -359,7 +363,8 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
         raise ValueError(f"micro_batch={micro_batch} is larger than global_batch={global_batch}. Fix: a micro-batch "
                          f"of at most {global_batch} sequences")
     eff, eff_source = (efficiency, "given") if efficiency is not None else costs.efficiency_for(c.gpu)
-    setup = Setup(global_batch, micro_batch, seq_len, recompute, precision, eff, flash_attention, grad_reduce)
+    setup = Setup(global_batch, micro_batch, seq_len, recompute, precision, eff, flash_attention, grad_reduce,
+                  sequence_parallel, schedule, bucket_bytes)
     timed = costs.can_time(c, precision)
 
     if layout is not None:
@@ -393,7 +398,8 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
                     setup={"micro_batch": micro_batch, "seq_len": seq_len, "global_batch": global_batch,
                            "precision": precision, "optimizer": optimizer, "recompute": recompute,
                            "efficiency": eff, "efficiency_source": eff_source, "headroom": headroom,
-                           "flash_attention": flash_attention, "grad_reduce": grad_reduce},
+                           "flash_attention": flash_attention, "grad_reduce": grad_reduce,
+                           "sequence_parallel": sequence_parallel, "schedule": schedule, "bucket_bytes": bucket_bytes},
                     cluster={"name": c.name, "gpus": g, "nodes": c.nodes, "gpus_per_node": c.node.gpus,
                              "gpu": c.gpu.name, "gpu_memory_bytes": c.gpu.memory_bytes, "usable_bytes": usable,
                              "host_bytes_per_gpu": c.node.cpu_memory_bytes_per_gpu},

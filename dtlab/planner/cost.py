@@ -82,6 +82,15 @@ BUCKET_BYTES = 25e6
 #: Parameters per second DeepSpeed's CPU Adam updates with one GPU's share of the host cores (an assumption).
 CPU_ADAM_PARAMS_PER_S = 1e9
 PRECISIONS = ("bf16", "fp16", "fp32")
+#: Pipeline schedules ``Setup.schedule`` knows.
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def megatron_bucket_bytes(dp: int, grad_bytes: int = 4) -> float:
+    """Megatron-LM's gradient bucket: ``max(40,000,000, 1,000,000 x DP)`` parameters (its DDP config's
+    ``bucket_size`` default), in bytes of ``grad_bytes`` per gradient value: a larger DP gets fewer, larger
+    buckets, so the ring's per-step latency is paid fewer times."""
+    return max(40e6, 1e6 * dp) * grad_bytes
 
 
 class LayoutError(ValueError):
@@ -310,6 +319,19 @@ class Setup:
     ``reduce_dtype`` float32). "bf16" / "fp16" is DeepSpeed's default ``communication_data_type`` under bf16 / fp16,
     FSDP2's ``MixedPrecisionPolicy`` without a ``reduce_dtype``, or a DDP compression hook: half the bytes.
     Parameter all-gathers travel in the compute format either way; memory keeps the ZeRO paper's accounting.
+
+    Three assumptions a framework decides, with their defaults:
+
+    * ``sequence_parallel``: with tensor parallelism, the norms, dropouts and the layers' inputs are split over the
+      TP ranks too (Korthikanti et al. 2022; torchtitan's TP plan, Megatron-LM's ``--sequence-parallel``), so every
+      activation divides by TP. False keeps those replicated, ``10*s*b*h`` bytes a GPT layer in 16-bit (notebook 14
+      teaches TP without it first): a TP4 layer then keeps about 1.6x more. The traffic is the same either way.
+    * ``schedule``: the pipeline's, "1f1b" (Megatron-LM's and torchtitan's; interleaved when the layout's
+      ``virtual`` > 1): the first stage holds ``min(M, P)`` micro-batches; "gpipe" holds all ``M`` (every forward
+      before the first backward). The bubble is the same.
+    * ``bucket_bytes``: the gradient bucket of DDP and ZeRO-1/2's once-per-step collectives, PyTorch DDP's 25 MB
+      (``bucket_cap_mb``); None for Megatron-LM's ``max(40M, 1M x DP)`` parameters (``megatron_bucket_bytes``).
+      Each bucket pays a collective's latency once.
     """
 
     global_batch: int = 512
@@ -320,6 +342,9 @@ class Setup:
     efficiency: float | None = None
     flash_attention: bool = True
     grad_reduce: str = "fp32"
+    sequence_parallel: bool = True
+    schedule: str = "1f1b"
+    bucket_bytes: float | None = BUCKET_BYTES
 
     @property
     def value_bytes(self) -> int:
@@ -330,6 +355,12 @@ class Setup:
         if self.grad_reduce not in PRECISIONS:
             raise ValueError(f"grad_reduce={self.grad_reduce!r}: use one of {', '.join(PRECISIONS)} (fp32: what DDP "
                              "under autocast, Megatron-LM and torchtitan send; bf16: DeepSpeed's default)")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: use one of {', '.join(SCHEDULES)} (1f1b: Megatron-LM's and "
+                             "torchtitan's; interleaving is the layout's virtual > 1)")
+        if self.bucket_bytes is not None and self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes={self.bucket_bytes}: give a positive size (25e6 is DDP's), or None for "
+                             "Megatron-LM's rule")
 
     @property
     def grad_reduce_bytes(self) -> int:
@@ -385,9 +416,9 @@ def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
     stage's layers; the stage with the most layers when they do not divide evenly), sharded by ZeRO over
     ``Layout.state_shards`` (DP x CP; the shard group x CP under HSDP).
     Activations follow ``formulas.layer_activation_bytes`` divided by TP
-    (sequence parallelism assumed); under 1F1B the first stage holds ``min(M, P)`` micro-batches of ``L/P``
-    layers (interleaving adds ``(P-1)/(P*v)`` of that); the last holds the fp32 logits
-    (``formulas.logits_bytes``).
+    (with ``Setup.sequence_parallel``; without it the replicated part stays whole); under 1F1B the first stage holds
+    ``min(M, P)`` micro-batches of ``L/P`` layers (interleaving adds ``(P-1)/(P*v)`` of that; GPipe holds all M);
+    the last holds the fp32 logits (``formulas.logits_bytes``).
     """
     m = micro_batches if micro_batches is not None else max(1, setup.global_batch // (layout.dp * setup.micro_batch))
     precision = "fp32" if setup.precision == "fp32" else "mixed"
@@ -408,16 +439,29 @@ def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
     def held(n_layers: float) -> float:
         return layer(setup.recompute)["total"] * n_layers
 
+    def replicated(n_layers: float) -> float:
+        """What TP leaves whole on every rank without sequence parallelism: the norms' inputs, the attention's
+        and MLP's inputs and the dropout masks (all of what full recomputation keeps)."""
+        if setup.sequence_parallel or layout.tp == 1:
+            return 0.0
+        kept = layer(setup.recompute)
+        if setup.recompute == "full":
+            return kept["total"] * n_layers
+        tokens_h = b * seq * shape.n_embd
+        return (kept["norms"] + 2 * vb * tokens_h + (2 * tokens_h if shape.dropout else 0.0)) * n_layers
+
     # what one layer's backward recomputes on top of what is held: its scores, or (full) all of it
     peak_extra = {"none": 0.0, "selective": layer("none")["scores"], "full": layer("none")["total"]}[setup.recompute]
     logits = formulas.logits_bytes(b, seq, shape.vocab)
     if layout.pp == 1:
+        in_flight = 1.0
         activations = held(layers) + peak_extra + logits
     else:
-        in_flight = min(m, layout.pp) * (1 + ((layout.pp - 1) / (layout.pp * layout.virtual)
-                                              if layout.virtual > 1 else 0))
+        in_flight = (m if setup.schedule == "gpipe" else min(m, layout.pp)) * (
+            1 + ((layout.pp - 1) / (layout.pp * layout.virtual) if layout.virtual > 1 else 0))
         activations = max(held(layers * in_flight), held(layers) + logits) + peak_extra
-    activations /= layout.tp
+    whole = replicated(layers * in_flight)
+    activations = whole + (activations - whole) / layout.tp
     buffers = 0.0
     if layout.zero == 3:                            # the layer being computed and the one prefetched, whole
         buffers = 2 * vb * shape.layer_params / layout.tp
@@ -537,7 +581,9 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
         members, nodes = spread_[dim]
         return collective_seconds(nbytes, op, members, nodes, c, calls)
 
-    buckets = max(1, math.ceil(flows["dp"].get("all_reduce", flows["dp"].get("all_gather", 0.0)) / BUCKET_BYTES))
+    bucket = (setup.bucket_bytes if setup.bucket_bytes is not None
+              else megatron_bucket_bytes(layout.state_shards, setup.grad_reduce_bytes))
+    buckets = max(1, math.ceil(flows["dp"].get("all_reduce", flows["dp"].get("all_gather", 0.0)) / bucket))
 
     # data parallelism: per collective call, what can hide it
     dp_exposed = dp_total = 0.0
@@ -589,9 +635,11 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
         pp_s = p2p_seconds(flows["pp"]["send"], members, nodes, c)
 
     offload = 0.0
-    if layout.offload_optimizer:   # gradients down, updated 16-bit parameters up, and Adam on the CPU
-        shard = num_params / (layout.tp * layout.pp * layout.shard_degree)
-        offload = (2 * setup.value_bytes * shard) / (PCIE_GBS * 1e9) + shard / CPU_ADAM_PARAMS_PER_S
+    if layout.offload_optimizer:
+        # DeepSpeed's ZeRO-Offload copies this GPU's gradient shard to the host after every micro-batch's backward
+        # (accumulating there, in fp32), then the host's Adam steps and the updated 16-bit parameters come up once
+        shard = num_params / (layout.tp * layout.pp * layout.state_shards)
+        offload = ((m + 1) * setup.value_bytes * shard) / (PCIE_GBS * 1e9) + shard / CPU_ADAM_PARAMS_PER_S
         if layout.offload_params:  # this GPU's parameter shard comes up for every forward and backward
             offload += m * 2 * setup.value_bytes * shard / (PCIE_GBS * 1e9)
 

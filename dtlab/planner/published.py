@@ -92,7 +92,9 @@ class Run:
     def setup(self, efficiency: float | None = None) -> cost.Setup:
         s = self.record["setup"]
         return cost.Setup(s["global_batch"], s["micro_batch"], s["seq_len"], s["recompute"], s["precision"],
-                          efficiency, s["flash_attention"], s.get("grad_reduce", "fp32"))
+                          efficiency, s["flash_attention"], s.get("grad_reduce", "fp32"),
+                          s.get("sequence_parallel", True), s.get("schedule", "1f1b"),
+                          s.get("bucket_bytes", cost.BUCKET_BYTES))
 
     def layouts(self) -> list[cost.Layout]:
         """The run's layout; where the source gives only TP x PP (``model_parallel``), every split of it with TP
@@ -161,7 +163,8 @@ def compare(r: Run, efficiency: float | None = None, alternatives: bool = True) 
         s = r.setup(efficiency)
         others = advise.advise(r.params, shape=r.shape, cluster=r.cluster, micro_batch=s.micro_batch,
                                seq_len=s.seq_len, global_batch=s.global_batch, precision=s.precision,
-                               grad_reduce=s.grad_reduce,
+                               grad_reduce=s.grad_reduce, sequence_parallel=s.sequence_parallel,
+                               schedule=s.schedule, bucket_bytes=s.bucket_bytes,
                                recompute=s.recompute, efficiency=efficiency, flash_attention=s.flash_attention)
         fitting = [row for row in others.priced if row["fits"] is True and row["strategy"] != mine["layout"]]
         best = max(fitting, key=lambda row: row["tokens_per_second"], default=None)

@@ -86,6 +86,8 @@ def _advise(args: argparse.Namespace) -> int:
                                micro_batch=args.micro_batch, seq_len=args.seq_len, global_batch=args.global_batch,
                                precision=args.precision, optimizer=args.optimizer, recompute=args.recompute,
                                efficiency=args.efficiency, headroom=args.headroom, grad_reduce=args.grad_reduce,
+                               sequence_parallel=not args.no_sequence_parallel, schedule=args.schedule,
+                               bucket_bytes=None if args.bucket_mb == "megatron" else float(args.bucket_mb) * 1e6,
                                layout=_parse_layout(args.layout) if args.layout else None,
                                layouts=not args.data_parallel_only)
     except ValueError as exc:  # also dtlab.planner.hardware.UnknownHardware
@@ -149,6 +151,14 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
     adv.add_argument("--grad-reduce", choices=("fp32", "bf16", "fp16"), default="fp32",
                      help="format of the gradients the data-parallel collectives send (default fp32: DDP under "
                      "autocast, Megatron-LM, torchtitan; bf16: DeepSpeed's default)")
+    adv.add_argument("--no-sequence-parallel", action="store_true",
+                     help="tensor parallelism without sequence parallelism: norms, dropouts and layer inputs stay "
+                     "whole on every TP rank (Megatron-LM without --sequence-parallel)")
+    adv.add_argument("--schedule", choices=cost.SCHEDULES, default="1f1b",
+                     help="pipeline schedule (default 1f1b: Megatron-LM, torchtitan); gpipe holds every micro-batch")
+    adv.add_argument("--bucket-mb", default="25", type=_bucket,
+                     help="gradient bucket in MB (default 25, PyTorch DDP's bucket_cap_mb), or 'megatron' for "
+                     "Megatron-LM's max(40M, 1M x DP) parameters")
     adv.add_argument("--recompute", choices=formulas.RECOMPUTE, default="selective",
                      help="activation recomputation (default selective); full costs one more forward pass")
     adv.add_argument("--efficiency", type=_number(float, 0, 1.000001, low_ok=False,
@@ -248,6 +258,18 @@ def _clusters_validate(args: argparse.Namespace) -> int:
             print(f"  note: {note}")
     print(f"{len(paths) - invalid} valid, {invalid} invalid")
     return 1 if invalid else 0
+
+
+def _bucket(text: str) -> str:
+    """``--bucket-mb``: a positive number of MB, or "megatron"."""
+    if text == "megatron":
+        return text
+    try:
+        if float(text) > 0:
+            return text
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of MB (25 is DDP's) or 'megatron'")
 
 
 def _number(kind: type, low: float, high: float = math.inf, low_ok: bool = True, example: str = "1"):
