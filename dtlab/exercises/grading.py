@@ -47,8 +47,9 @@ STARTUP_S = 30.0
 
 #: ``torch.distributed`` calls the tracer watches: name -> (blocks until done unless async_op, who it talks to)
 POINT_TO_POINT = ("send", "recv", "isend", "irecv")
-COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter")
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+               "barrier", "gather", "scatter")
 
 
 class ExerciseFailed(AssertionError):
@@ -103,6 +104,13 @@ class Report:
 
     def __repr__(self) -> str:
         return self.text()
+
+    def _ipython_display_(self) -> None:
+        """In a notebook, ``check(...)`` as a cell's last line has printed the report already: show it once."""
+        if getattr(self, "_printed", False):
+            self._printed = False
+            return
+        print(self.text())
 
     def raise_for_failure(self) -> Report:
         """Raise ``ExerciseFailed`` unless the exercise passed (a stub that was not attempted fails too)."""
@@ -303,7 +311,8 @@ def run_ranks(report: Report, body: Callable[..., Any], impl: Any, *args: Any, n
         return None
     except WorkerError as exc:
         message = str(exc).split("\n")[0]
-        if "Timed out" in message or "timed out" in message or "Timeout" in message:
+        if any(word in message for word in ("Timed out", "timed out", "Timeout", "Connection closed by peer")) \
+                or (_waiting(status_dir) and not _learner_lines(exc.remote_traceback)):
             _stuck(report, status_dir, [exc.rank], time.monotonic() - start)
             return None
         where = _learner_lines(exc.remote_traceback)
@@ -321,17 +330,27 @@ def run_ranks(report: Report, body: Callable[..., Any], impl: Any, *args: Any, n
     return results
 
 
+def _statuses(status_dir: str) -> dict[int, str]:
+    return {int(f.name): f.read_text() for f in Path(status_dir).iterdir() if f.name.isdigit()}
+
+
+def _waiting(status_dir: str) -> dict[int, str]:
+    """The ranks whose status file says they are waiting in a call, and in which."""
+    return {r: s for r, s in sorted(_statuses(status_dir).items()) if s.startswith("waiting")}
+
+
 def _stuck(report: Report, status_dir: str, pending: list[int], seconds: float) -> None:
-    statuses = {}
-    for f in Path(status_dir).iterdir():
-        if f.name.isdigit():
-            statuses[int(f.name)] = f.read_text()
-    waiting = {r: s for r, s in sorted(statuses.items()) if s.startswith("waiting")}
+    statuses = _statuses(status_dir)
+    waiting = _waiting(status_dir)
     named = waiting or {r: statuses.get(r, "never started") for r in pending}
+    point_to_point = any(f"dist.{op}(" in s for s in waiting.values() for op in POINT_TO_POINT)
     report.fail(f"deadlock: stopped after {seconds:.0f} s; "
                 + "; ".join(f"rank {r} was {s}" for r, s in named.items()),
                 "two ranks each wait for the other: every send needs a matching receive on the peer, in an order "
-                "both sides reach (a rank that receives before it sends waits for a peer doing the same)")
+                "both sides reach (a rank that receives before it sends waits for a peer doing the same)"
+                if point_to_point or not waiting else
+                "the ranks are in different collectives, or the same one with different arguments (a broadcast's "
+                "src, a tensor's size): every rank must call the same collectives in the same order")
 
 
 # ---------------------------------------------------------------------------------------------- comparing
