@@ -64,8 +64,16 @@ def test_recomputation_costs_compute():
     assert base["full"]["seconds"]["compute"] / base["none"]["seconds"]["compute"] == pytest.approx(
         f.hardware / f.model)
     assert 1.25 < f.hardware / f.model < 1.34                        # about one more forward pass of the layers
-    assert base["none"]["seconds"]["compute"] < base["selective"]["seconds"]["compute"] < \
-        base["full"]["seconds"]["compute"]
+    # with a fused attention kernel (the default) selective recomputation has nothing to recompute: it costs nothing
+    # and saves nothing (issue 41 item 3); per-operator recomputation repeats half the matrix products
+    assert base["none"]["seconds"]["compute"] == base["selective"]["seconds"]["compute"] < \
+        base["op"]["seconds"]["compute"] < base["full"]["seconds"]["compute"]
+    assert base["none"]["memory"]["activations"] == base["selective"]["memory"]["activations"]
+    eager = {m: price(Layout(dp=16, zero=3), recompute=m, flash_attention=False) for m in ("none", "selective")}
+    assert eager["none"]["seconds"]["compute"] < eager["selective"]["seconds"]["compute"]     # it recomputes scores
+    assert eager["none"]["memory"]["activations"] > eager["selective"]["memory"]["activations"]   # it drops them
+    op = formulas.training_flops(2048, SEVEN, 2048, "op", 7e9)
+    assert op.recomputed == 2048 * min(7e9, SEVEN.n_layer * SEVEN.layer_params)      # half of 2 x Psi_layers
     for r in base.values():                                          # MFU counts the model's FLOPs only
         assert r["mfu"] <= r["hfu"] <= cost.efficiency_for(G5X4.gpu)[0] + 1e-12
 

@@ -64,7 +64,7 @@ from dtlab.planner.formulas import ModelShape, ring_factor
 #: Fraction of the GPU's peak FLOP/s the step's kernels reach while computing (not waiting), by GPU: for each,
 #: the median over the published runs on it (``dtlab/planner/published_runs.json``) of the value at which this
 #: model reproduces the run (``published.fitted_efficiency``; tests/test_published_runs.py recomputes them).
-EFFICIENCY = {"A100": 0.58, "H100": 0.40}
+EFFICIENCY = {"A100": 0.58, "H100": 0.41}
 #: For a GPU without published runs here (the course's A10G, T4, V100): the median over every run.
 DEFAULT_EFFICIENCY = 0.58
 
@@ -445,13 +445,14 @@ def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
         if setup.sequence_parallel or layout.tp == 1:
             return 0.0
         kept = layer(setup.recompute)
-        if setup.recompute == "full":
-            return kept["total"] * n_layers
+        if setup.recompute in ("full", "op"):
+            return kept["norms"] * n_layers
         tokens_h = b * seq * shape.n_embd
         return (kept["norms"] + 2 * vb * tokens_h + (2 * tokens_h if shape.dropout else 0.0)) * n_layers
 
     # what one layer's backward recomputes on top of what is held: its scores, or (full) all of it
-    peak_extra = {"none": 0.0, "selective": layer("none")["scores"], "full": layer("none")["total"]}[setup.recompute]
+    peak_extra = {"none": 0.0, "selective": layer("none")["scores"], "op": layer("none")["total"] - layer("op")["total"],
+                  "full": layer("none")["total"]}[setup.recompute]
     logits = formulas.logits_bytes(b, seq, shape.vocab)
     if layout.pp == 1:
         in_flight = 1.0
@@ -567,7 +568,7 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
     peak = c.gpu.peak_flops(setup.precision)
     rate = (setup.efficiency or efficiency_for(c.gpu)[0]) * peak
     tokens = setup.micro_batch * setup.seq_len
-    f = formulas.training_flops(tokens, shape, setup.seq_len, setup.recompute, num_params)
+    f = formulas.training_flops(tokens, shape, setup.seq_len, setup.recompute, num_params, setup.flash_attention)
     share = math.ceil(shape.n_layer / layout.pp) / shape.n_layer / (layout.tp * layout.cp)
     fwd = f.forward * share / rate
     recompute = f.recomputed * share / rate
@@ -626,7 +627,8 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
         # Ring attention sends the next K/V block while it computes with the current one (notebook 16 measures
         # the overlap): cp - 1 of each layer's cp attention chunks, forward and backward, can hide the transfers.
         attention = 4.0 * (setup.micro_batch * setup.seq_len / layout.cp) * setup.seq_len * shape.n_embd / layout.tp
-        passes = 3 + (1 if setup.recompute in ("full", "selective") else 0)
+        passes = 3 + (1 if setup.recompute == "full" or (setup.recompute == "selective" and not setup.flash_attention)
+                      else 0)
         hideable = m * math.ceil(shape.n_layer / layout.pp) * passes * attention * (layout.cp - 1) / layout.cp / rate
         cp_s = max(0.0, cp_total - hideable)
     pp_s = 0.0
@@ -650,7 +652,8 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
     total = pipelined + bubble + dp_exposed + offload
     exposed = tp_s + cp_s + pp_s + dp_exposed
     step_tokens = setup.global_batch * setup.seq_len
-    whole = formulas.training_flops(step_tokens, shape, setup.seq_len, setup.recompute, num_params)
+    whole = formulas.training_flops(step_tokens, shape, setup.seq_len, setup.recompute, num_params,
+                                    setup.flash_attention)
     return {**base, "bytes_sent": bytes_sent(flows, layout),
             "seconds": {"compute": compute, "recompute": m * recompute, "comm_exposed": exposed,
                         "comm_hidden": dp_total - dp_exposed + cp_total - cp_s, "bubble": bubble, "offload": offload,

@@ -57,8 +57,10 @@ GB, GiB = hardware.GB, hardware.GiB
 #: default buckets hold 5e8 elements each, ~1 GB in 16-bit), temporary buffers, and fragmentation in
 #: PyTorch's caching allocator.
 HEADROOM = 0.15
-#: Activation recomputation (checkpointing) modes: keep everything, recompute attention, keep layer inputs only.
-RECOMPUTE = ("none", "selective", "full")
+#: Activation recomputation (checkpointing) modes: keep everything; recompute the attention core (Megatron-LM's
+#: selective); keep every other matrix product's output and recompute the rest (torchtitan's per-operator selective
+#: checkpointing, "op"); keep layer inputs only.
+RECOMPUTE = ("none", "selective", "op", "full")
 #: Collectives and the share of the tensor each rank sends in a ring of n ranks.
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
@@ -398,7 +400,8 @@ def activation_bytes(batch: int, seq_len: int, n_layer: int, n_embd: int, n_head
         seq_len: tokens per sequence.
         n_layer, n_embd, n_head: the model's layers, hidden size and attention heads.
         bytes_per_value: 2 for bf16/fp16 activations.
-        recompute: ``"none"``, ``"selective"`` or ``"full"``.
+        recompute: ``"none"``, ``"selective"``, ``"op"`` (every other matrix product's output kept, with a fused
+            attention kernel: ``13*s*b*h``) or ``"full"``.
         peak: with recomputation, add what one layer recomputes during its backward (its
             attention scores for "selective", its full activations for "full"): the peak, not only
             what is stored between forward and backward (``peak=False`` gives the paper's figures).
@@ -420,6 +423,8 @@ def activation_bytes(batch: int, seq_len: int, n_layer: int, n_embd: int, n_head
         total = n_layer * layer
     elif recompute == "selective":
         total = n_layer * 34 * s * b * h + (5 * a * s * s * b if peak else 0)
+    elif recompute == "op":     # layer input, attention output, half of q, k, v, o, fc1, fc2's outputs (9h): 13sbh
+        total = n_layer * 13 * s * b * h + (layer - 13 * s * b * h if peak else 0)
     else:
         total = n_layer * 2 * s * b * h + (layer if peak else 0)
     return total * bytes_per_value / 2
@@ -444,7 +449,8 @@ def layer_activation_bytes(shape: ModelShape, batch: int, seq_len: int, recomput
 
     For a GPT layer (k = h, f = 4h, dropout, no fused attention) this is the paper's ``s*b*h*(34 + 5*a*s/h)``.
     Selective recomputation drops ``scores``; full recomputation keeps only the layer's input,
-    ``v*s*b*h``, in ``norms``. Tensor parallelism with sequence parallelism divides every part by its degree.
+    ``v*s*b*h``, in ``norms``; "op" (torchtitan's per-operator selective checkpointing) keeps the layer's input, the
+    attention kernel's output and half of the matrix products' outputs. Tensor parallelism with sequence parallelism divides every part by its degree.
 
     Returns:
         ``{"norms", "attention", "scores", "mlp", "total"}`` in bytes.
@@ -459,6 +465,13 @@ def layer_activation_bytes(shape: ModelShape, batch: int, seq_len: int, recomput
     mask = tokens * h if shape.dropout else 0.0
     if recompute == "full":
         parts = {"norms": v * tokens * h, "attention": 0.0, "scores": 0.0, "mlp": 0.0}
+    elif recompute == "op":
+        # torchtitan's per-operator policy: the layer's input and the attention kernel's output are kept, and the
+        # output of every other matrix product (q, k, v, o, then the MLP's two or three); the rest is recomputed
+        products = {"attention": 2 * h + 2 * k, "mlp": (2 if shape.gated else 1) * f + h}
+        scores = 0.0 if flash_attention else v * shape.n_head * seq_len * tokens
+        parts = {"norms": v * tokens * h, "attention": v * tokens * (h + products["attention"] / 2), "scores": scores,
+                 "mlp": v * tokens * products["mlp"] / 2}
     else:
         scores = 0.0
         if not flash_attention and recompute == "none":
@@ -492,13 +505,15 @@ class Flops:
 
 
 def training_flops(tokens: float, shape: ModelShape, seq_len: int, recompute: str = "none",
-                   num_params: float | None = None) -> Flops:
+                   num_params: float | None = None, flash_attention: bool = False) -> Flops:
     """FLOPs to train on ``tokens`` tokens of ``seq_len``-token sequences (see the module docstring).
 
     Forward per token: ``2*Ψ_layers + 4*L*s*h`` for the layers and ``2*V*h`` for the output layer.
     ``num_params`` (default: the shape's) sets Ψ; the layers get what the shape says they hold, at
     most Ψ. Full recomputation repeats the layers' forward (not the output layer's), selective
-    recomputation the attention's ``4*L*s*h``.
+    recomputation the attention's ``4*L*s*h`` — nothing with ``flash_attention``: a fused kernel keeps no scores, so
+    there is nothing for it to recompute (the kernel's own backward recomputes them whatever the mode, inside the
+    time its efficiency is measured with); "op" repeats half of the layers' matrix products, ``Ψ_layers``.
 
     Raises:
         ValueError: for an unknown recompute mode or a negative token count.
@@ -513,7 +528,8 @@ def training_flops(tokens: float, shape: ModelShape, seq_len: int, recompute: st
     attention = 4.0 * shape.n_layer * seq_len * shape.n_embd
     layers_fwd = 2.0 * layer_weights + attention
     forward = tokens * (layers_fwd + head)
-    extra = {"none": 0.0, "selective": attention, "full": layers_fwd}[recompute]
+    extra = {"none": 0.0, "selective": 0.0 if flash_attention else attention, "op": layer_weights,
+             "full": layers_fwd}[recompute]
     return Flops(forward, 3 * forward, 3 * forward + tokens * extra)
 
 
