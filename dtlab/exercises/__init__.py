@@ -76,7 +76,8 @@ def check(name: str, impl: Any, nprocs: int | None = None, limit_s: float | None
 
     module = exercise(name)
     report = Report(name, EXERCISES[name][1])
-    module.grade(impl, report, nprocs=nprocs or module.NPROCS, limit_s=limit_s or DEFAULT_LIMIT_S)
+    module.grade(impl, report, nprocs=nprocs or module.NPROCS,
+                 limit_s=limit_s or getattr(module, "LIMIT_S", DEFAULT_LIMIT_S))
     if not quiet:
         print(report.text())
         report._printed = True            # a notebook cell ending with check(...) does not show it twice

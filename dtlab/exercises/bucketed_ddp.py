@@ -128,7 +128,7 @@ def _body(impl: Any, me: Rank) -> dict[str, Any]:
     return out
 
 
-def grade(impl: Any, report: Report, nprocs: int = NPROCS, limit_s: float = 60.0) -> Report:
+def grade(impl: Any, report: Report, nprocs: int = NPROCS, limit_s: float = 30.0) -> Report:
     """Grade ``impl`` (your ``MyBucketedDDP`` class) on ``nprocs`` processes into ``report``."""
     from dtlab.measure import reduction_tolerance
 

@@ -241,7 +241,7 @@ def _check_shard(shard: Any, report: Report, n: int) -> bool:
     return True
 
 
-def grade(impl: Any, report: Report, nprocs: int = NPROCS, limit_s: float = 60.0) -> Report:
+def grade(impl: Any, report: Report, nprocs: int = NPROCS, limit_s: float = 30.0) -> Report:
     """Grade ``impl`` = ``(shard, gather, reduce_grad)`` on ``nprocs`` processes into ``report``."""
     n, fns = nprocs, _three(impl)
     report.nprocs = n

@@ -124,7 +124,7 @@ def _pair(impl: Any) -> tuple[Any, Any] | None:
     return None
 
 
-def grade(impl: Any, report: Report, nprocs: int = NPROCS, limit_s: float = 60.0) -> Report:
+def grade(impl: Any, report: Report, nprocs: int = NPROCS, limit_s: float = 30.0) -> Report:
     """Grade ``impl`` = ``(MyColumnParallelLinear, MyRowParallelLinear)`` on ``nprocs`` processes into ``report``."""
     n = report.nprocs = nprocs
     if _pair(impl) is None:

@@ -48,7 +48,7 @@ def _body(impl: Any, me: Rank) -> dict[str, Any]:
     return {"results": results, "returned": returned}
 
 
-def grade(impl: Any, report: Report, nprocs: int = NPROCS, limit_s: float = 60.0) -> Report:
+def grade(impl: Any, report: Report, nprocs: int = NPROCS, limit_s: float = 30.0) -> Report:
     """Grade ``impl`` (your ``ring_all_reduce``) on ``nprocs`` processes into ``report``."""
     out = run_ranks(report, _body, impl, nprocs=nprocs, limit_s=limit_s)
     if out is None:
