@@ -64,7 +64,7 @@ from dtlab.planner.formulas import ModelShape, ring_factor
 #: Fraction of the GPU's peak FLOP/s the step's kernels reach while computing (not waiting), by GPU: for each,
 #: the median over the published runs on it (``dtlab/planner/published_runs.json``) of the value at which this
 #: model reproduces the run (``published.fitted_efficiency``; tests/test_published_runs.py recomputes them).
-EFFICIENCY = {"A100": 0.58, "H100": 0.41}
+EFFICIENCY = {"A100": 0.58, "H100": 0.59}
 #: For a GPU without published runs here (the course's A10G, T4, V100): the median over every run.
 DEFAULT_EFFICIENCY = 0.58
 
@@ -451,8 +451,8 @@ def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
         return (kept["norms"] + 2 * vb * tokens_h + (2 * tokens_h if shape.dropout else 0.0)) * n_layers
 
     # what one layer's backward recomputes on top of what is held: its scores, or (full) all of it
-    peak_extra = {"none": 0.0, "selective": layer("none")["scores"], "op": layer("none")["total"] - layer("op")["total"],
-                  "full": layer("none")["total"]}[setup.recompute]
+    peak_extra = {"none": 0.0, "selective": layer("none")["scores"],
+                  "op": layer("none")["total"] - layer("op")["total"], "full": layer("none")["total"]}[setup.recompute]
     logits = formulas.logits_bytes(b, seq, shape.vocab)
     if layout.pp == 1:
         in_flight = 1.0

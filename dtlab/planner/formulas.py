@@ -450,7 +450,8 @@ def layer_activation_bytes(shape: ModelShape, batch: int, seq_len: int, recomput
     For a GPT layer (k = h, f = 4h, dropout, no fused attention) this is the paper's ``s*b*h*(34 + 5*a*s/h)``.
     Selective recomputation drops ``scores``; full recomputation keeps only the layer's input,
     ``v*s*b*h``, in ``norms``; "op" (torchtitan's per-operator selective checkpointing) keeps the layer's input, the
-    attention kernel's output and half of the matrix products' outputs. Tensor parallelism with sequence parallelism divides every part by its degree.
+    attention kernel's output and half of the matrix products' outputs.
+    Tensor parallelism with sequence parallelism divides every part by its degree.
 
     Returns:
         ``{"norms", "attention", "scores", "mlp", "total"}`` in bytes.

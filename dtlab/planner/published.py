@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,7 +148,8 @@ def compare(r: Run, efficiency: float | None = None, alternatives: bool = True) 
     Returns ``name``, ``layout`` (the one priced), ``fits``, ``fit`` (``cost.fit_state``), ``memory_gb`` (per GPU),
     ``measured`` and
     ``predicted`` (tokens/s per GPU), ``ratio`` (predicted / measured), ``exempt`` (the checks the run is
-    left out of, with why), and with ``alternatives``:
+    left out of, with why), ``split`` (whether the TP x PP split priced is the source's own, or the fastest of the
+    splits of a model-parallel size the source gives alone), and with ``alternatives``:
     ``best_other`` (the fastest other layout that fits, by the model, at the run's batch and micro-batch)
     and ``best_other_ratio`` (its predicted speed over the run's layout's).
     """
@@ -159,6 +161,9 @@ def compare(r: Run, efficiency: float | None = None, alternatives: bool = True) 
            "measured": r.measured_tokens_per_s_per_gpu, "predicted": mine["tokens_per_second"] / gpus}
     out["ratio"] = out["predicted"] / out["measured"]
     out["exempt"] = dict(r.record.get("exempt", {}))
+    mp = r.record["layout"]["model_parallel"] if r.record["layout"]["tp"] is None else None
+    out["split"] = ("the source's" if mp is None else
+                    f"not stated: the source gives only TP x PP = {mp}; priced at the split the model rates fastest")
     if alternatives:
         s = r.setup(efficiency)
         others = advise.advise(r.params, shape=r.shape, cluster=r.cluster, micro_batch=s.micro_batch,
@@ -185,12 +190,22 @@ def fitted_efficiency(r: Run) -> float:
     return (low + high) / 2
 
 
+def source_of(r: Run) -> str:
+    """The source a run comes from (its paper or page): the unit ``held_out`` leaves out as a whole."""
+    return r.record["source"]["title"]
+
+
+@functools.cache
+def fitted_runs() -> dict[str, tuple[str, str, float]]:
+    """``fitted_efficiency`` of every run whose throughput is checked: name -> (GPU family, source, efficiency)."""
+    return {r.name: (r.family, source_of(r), fitted_efficiency(r)) for r in runs() if not r.exempt("throughput")}
+
+
 def fitted_efficiencies() -> dict[str, list[float]]:
     """``fitted_efficiency`` of every run whose throughput is checked, by GPU family."""
     out: dict[str, list[float]] = {}
-    for r in runs():
-        if not r.exempt("throughput"):
-            out.setdefault(r.family, []).append(fitted_efficiency(r))
+    for family, _, value in fitted_runs().values():
+        out.setdefault(family, []).append(value)
     return out
 
 
@@ -202,16 +217,44 @@ def median_efficiencies() -> tuple[dict[str, float], float]:
             statistics.median([e for v in fitted.values() for e in v]))
 
 
-def held_out(r: Run, fitted: dict[str, list[float]] | None = None) -> dict[str, Any]:
-    """``compare(r)`` with the efficiency fitted to every *other* run on its GPU family (or to every other run
-    when it has none): a prediction the run itself took no part in."""
-    fitted = fitted if fitted is not None else fitted_efficiencies()
-    mine = fitted_efficiency(r) if not r.exempt("throughput") else None
-    same = list(fitted.get(r.family, []))
-    if mine is not None and mine in same:
-        same.remove(mine)
-    pool = same or [e for k, v in fitted.items() for e in v if e != mine]
-    return compare(r, statistics.median(pool), alternatives=False)
+def held_out(r: Run, by: str = "source") -> dict[str, Any]:
+    """``compare(r)`` with the efficiency fitted to runs ``r`` took no part in: with ``by="source"`` (the default)
+    every run of *other* sources (a paper's or a page's runs share its code, cluster and way of measuring, so they
+    are left out together), with ``by="run"`` every other run; the median of those on ``r``'s GPU family, or of all
+    of them when none is on it. The returned dict adds ``efficiency`` (the one used) and ``pool`` (how many runs
+    it is the median of, and whether they are of the same GPU family)."""
+    if by not in ("source", "run"):
+        raise ValueError(f"by={by!r}: 'source' (leave the run's whole source out) or 'run'")
+    others = [(family, value) for name, (family, source, value) in fitted_runs().items()
+              if name != r.name and (by == "run" or source != source_of(r))]
+    same = [v for f, v in others if f == r.family]
+    pool = same or [v for _, v in others]
+    out = compare(r, statistics.median(pool), alternatives=False)
+    out.update(efficiency=statistics.median(pool), pool={"runs": len(pool), "same_gpu": bool(same)})
+    return out
+
+
+def leave_one_source_out() -> list[dict[str, Any]]:
+    """For each source of checked runs: its runs' ``held_out`` ratios with every run of that source left out of
+    the fit, their median and the worst (furthest from 1), and whether the efficiency came from the same GPU."""
+    by_source: dict[str, list[dict[str, Any]]] = {}
+    for r in runs():
+        if not r.exempt("throughput"):
+            by_source.setdefault(source_of(r), []).append(held_out(r))
+    return [{"source": source, "runs": len(rows), "median_ratio": statistics.median(x["ratio"] for x in rows),
+             "worst_ratio": max((x["ratio"] for x in rows), key=lambda v: abs(math.log(v))),
+             "same_gpu": all(x["pool"]["same_gpu"] for x in rows)} for source, rows in by_source.items()]
+
+
+def format_sources(rows: list[dict[str, Any]] | None = None) -> str:
+    """``leave_one_source_out`` as a Markdown table (what the README shows)."""
+    rows = rows if rows is not None else leave_one_source_out()
+    lines = ["| source (left out of the fit) | runs | median predicted / measured | furthest from 1 | fitted on the "
+             "same GPU |", "|---|---:|---:|---:|---|"]
+    for row in rows:
+        lines.append(f"| {row['source']} | {row['runs']} | {row['median_ratio']:.2f} | {row['worst_ratio']:.2f} | "
+                     f"{'yes' if row['same_gpu'] else 'no: the median of every other run'} |")
+    return "\n".join(lines)
 
 
 #: How far a published run may be from the priced case and still be evidence "at this scale": parameters and GPUs
@@ -260,8 +303,6 @@ def evidence(family: str, params: float, gpus: int, gpu: str = "") -> dict[str, 
     run out, or None), ``at_scale`` (parameters within ``SCALE_FACTOR["params"]``
     and GPUs within ``SCALE_FACTOR["gpus"]``, either way) and ``text``, one line for people.
     """
-    import math
-
     same = [r for r in runs() if run_family(r) == family]
     out: dict[str, Any] = {"family": family, "run": None, "at_scale": False}
     if not same:
@@ -304,6 +345,9 @@ def format_table(rows: list[dict[str, Any]] | None = None) -> str:
         fits = {"fits": "yes", "tight": "tight", "does not fit": "no"}.get(row["fit"], "?")
         fits += " (not checked)" if "fits" in row["exempt"] else ""
         ratio = f"{row['ratio']:.2f}" + (" (not checked)" if "throughput" in row["exempt"] else "")
-        lines.append(f"| {row['name']} | {row['layout']} | {fits} | {row['measured']:,.0f} | "
+        layout = row["layout"] + ("" if row.get("split", "the source's") == "the source's" else
+                                  f" (the split the model rates fastest: the source gives only "
+                                  f"{row['split'].split('= ')[1].split(';')[0]} GPUs of model parallelism)")
+        lines.append(f"| {row['name']} | {layout} | {fits} | {row['measured']:,.0f} | "
                      f"{row['predicted']:,.0f} | {ratio} | {other} |")
     return "\n".join(lines)

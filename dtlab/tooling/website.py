@@ -263,6 +263,7 @@ def build(run_dir: str | os.PathLike, out: str | os.PathLike = "site", readme: s
              + f" Machine: {machine}.", "",
              "## The course", "", _course_map(readme, set(manifest_name[:-5] for manifest_name in manifest)), "",
              "## Run it yourself", "", _readme_section(readme, "## Start here"), "",
+             "## Build it: the graded exercises", "", _readme_section(readme, "## Build it: the graded exercises"), "",
              "The helper package's reference: [the dtlab API](api.md).", "",
              "```{toctree}", ":hidden:", ":caption: Notebooks", "",
              *[n[:-5] for n in manifest], "", "```", "",
