@@ -26,13 +26,15 @@ Its folders are its map. At the top, what a learner imports, one module per conc
     dtlab.raytrain     Ray for the lessons: a quiet local Ray, data as Parquet, requests checked, strays found
     dtlab.notebook     notebook parameters from Databricks widgets, and Claims: what a lesson asserts
 
-Then three folders:
+Then four folders:
 
     dtlab.parallel     each strategy from scratch (data_parallel, zero, fsdp, tensor, pipeline, context,
                        ulysses, expert) beside the thin wrappers of its PyTorch API (fsdp2, dtensor, pipelining),
                        the named device mesh that composes them (mesh) and the side-by-side measurement
     dtlab.planner      will it fit, how fast, which strategy (``dtlab advise``): hardware facts, formulas,
                        cost model, advice, the speed-up model, held to published training runs
+    dtlab.exercises    the graded build exercises: check("03.bucketed_ddp", YourClass) runs your code on N
+                       processes against one process and says what is wrong, where and why (one module each)
     dtlab.tooling      the course's own tooling: the ``dtlab`` command (cli), the notebook runner (runner),
                        the website, the Databricks job summary (jobs) and cluster validation (clusters)
 

@@ -144,6 +144,7 @@ def test_offload_to_a_host_of_unknown_size_is_neither_yes_nor_no():
     assert a.recommendation["strategy"] != "ZeRO-3 + optimizer offload"
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("memory", [None, 80, 94])
 def test_a_named_gpu_keeps_its_name_peak_and_measured_efficiency_whatever_memory_is_given(memory):
     """Issue 41, item 1: advise(gpu="H100", gpus=8, gpu_mem_gb=80) priced an "80 GB GPU" at the all-runs median."""
