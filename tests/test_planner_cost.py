@@ -2,6 +2,7 @@
 use them, memory by part, and layouts that cannot run refused with the fix. Its numbers against published runs are
 tests/test_published_runs.py; against runs on this machine, tests/test_planner_measured.py."""
 
+import dataclasses
 import math
 
 import pytest
@@ -315,3 +316,27 @@ def test_zero_offload_copies_gradients_to_the_host_every_micro_batch():
     one, eight = (cost.cost(7e9, layout, "g5.12xlarge", Setup(4 * m, 1, 2048, "selective"))["seconds"]["offload"]
                   for m in (1, 8))
     assert eight - one == pytest.approx(7 * 2 * 7e9 / 4 / (cost.PCIE_GBS * 1e9), rel=1e-9)
+
+
+def test_layers_are_shared_out_evenly_or_with_lighter_ends_as_llama_3():
+    assert cost.stage_layers(126, 16) == [8] * 14 + [7] * 2
+    assert cost.stage_layers(126, 16, "lighter_ends") == [7] + [8] * 14 + [7]
+    assert sum(cost.stage_layers(32, 8, "lighter_ends")) == 32
+    with pytest.raises(LayoutError, match="without a layer"):
+        cost.stage_layers(3, 3, "lighter_ends")
+
+
+def test_each_pipeline_stage_holds_its_own_in_flight_micro_batches_and_the_busiest_is_priced():
+    """1F1B: stage s holds min(M, P - s) micro-batches of its layers. With Llama 3's split (7 layers on the first
+    stage, 8 on the next) the busiest stage is the second, holding 15 x 8 layer-micro-batches where an even split's
+    first stage holds 16 x 8: activations 15/16 of it (no logits and nothing recomputed on either stage)."""
+    from dtlab.planner import published
+
+    run = published.run("Llama 3 405B, 8192 H100, 8K context")
+    layout, setup = run.layouts()[0], run.setup()
+    even = cost.memory(run.params, run.shape, layout, dataclasses.replace(setup, pipeline_split="even"), 32)
+    ends = cost.memory(run.params, run.shape, layout, setup, 32)
+    assert setup.pipeline_split == "lighter_ends"
+    assert ends["activations"] / even["activations"] == pytest.approx(15 / 16, rel=1e-9)
+    assert cost.fit_state(ends["total"], run.cluster.gpu.memory_bytes, 0.15) == "tight"
+    assert cost.fit_state(even["total"], run.cluster.gpu.memory_bytes, 0.15) == "does not fit"

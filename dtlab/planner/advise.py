@@ -282,9 +282,9 @@ def _row(num_params: float, shape: ModelShape, layout: Layout, c: hardware.Clust
         mem["total"] = sum(v for k, v in mem.items() if k != "total")
     fit = costs.fit_state(mem["total"], c.gpu.memory_bytes, headroom, cpu, c.node.cpu_memory_bytes_per_gpu)
     fits = None if fit is None else fit == "fits"
-    layers = math.ceil(shape.n_layer / layout.pp)
-    note = (f"pipeline stages of {layers} and {shape.n_layer - layers * (layout.pp - 1)} layers"
-            if shape.n_layer % layout.pp else "")
+    splits = costs.stage_layers(shape.n_layer, layout.pp, setup.pipeline_split) if layout.pp > 1 else []
+    note = (f"pipeline stages of {' to '.join(str(n) for n in sorted(set(splits), reverse=True))} layers"
+            if len(set(splits)) > 1 else "")
     row.update(memory_bytes=mem, cpu_bytes=cpu, fits=fits, fit=fit, micro_batches=result["micro_batches"], note=note,
                step_seconds=result["seconds"], tokens_per_second=result["tokens_per_second"], mfu=result["mfu"],
                hfu=result["hfu"], bytes_sent=result["bytes_sent"])
@@ -301,7 +301,7 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
            recompute: str = "selective", efficiency: float | None = None, headroom: float = formulas.HEADROOM,
            flash_attention: bool = True, layout: Layout | dict | None = None, layouts: bool = True,
            grad_reduce: str = "fp32", sequence_parallel: bool = True, schedule: str = "1f1b",
-           bucket_bytes: float | None = costs.BUCKET_BYTES) -> Advice:
+           bucket_bytes: float | None = costs.BUCKET_BYTES, pipeline_split: str = "even") -> Advice:
     """Price every strategy for a model on a cluster and recommend one; see the module's help.
 
     Args:
@@ -325,9 +325,10 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
             ``layouts=False`` prices data parallelism only.
         grad_reduce: the format the data-parallel gradient collectives send: "fp32" (the default: DDP under
             autocast, Megatron-LM, torchtitan) or "bf16" / "fp16" (DeepSpeed's default; ``cost.Setup``).
-        sequence_parallel, schedule, bucket_bytes: tensor parallelism with sequence parallelism (True), the
-            pipeline schedule ("1f1b" or "gpipe") and the gradient bucket (25 MB, DDP's; None for Megatron-LM's
-            rule); ``cost.Setup`` says what each changes.
+        sequence_parallel, schedule, bucket_bytes, pipeline_split: tensor parallelism with sequence parallelism
+            (True), the pipeline schedule ("1f1b" or "gpipe"), the gradient bucket (25 MB, DDP's; None for
+            Megatron-LM's rule) and how layers are shared out among pipeline stages ("even" or "lighter_ends");
+            ``cost.Setup`` says what each changes.
 
     Raises:
         ValueError: for sizes that are not positive, a hidden size not divisible by the heads, an unknown
@@ -364,7 +365,7 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
                          f"of at most {global_batch} sequences")
     eff, eff_source = (efficiency, "given") if efficiency is not None else costs.efficiency_for(c.gpu)
     setup = Setup(global_batch, micro_batch, seq_len, recompute, precision, eff, flash_attention, grad_reduce,
-                  sequence_parallel, schedule, bucket_bytes)
+                  sequence_parallel, schedule, bucket_bytes, pipeline_split)
     timed = costs.can_time(c, precision)
 
     if layout is not None:
@@ -399,7 +400,8 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
                            "precision": precision, "optimizer": optimizer, "recompute": recompute,
                            "efficiency": eff, "efficiency_source": eff_source, "headroom": headroom,
                            "flash_attention": flash_attention, "grad_reduce": grad_reduce,
-                           "sequence_parallel": sequence_parallel, "schedule": schedule, "bucket_bytes": bucket_bytes},
+                           "sequence_parallel": sequence_parallel, "schedule": schedule, "bucket_bytes": bucket_bytes,
+                           "pipeline_split": pipeline_split},
                     cluster={"name": c.name, "gpus": g, "nodes": c.nodes, "gpus_per_node": c.node.gpus,
                              "gpu": c.gpu.name, "gpu_memory_bytes": c.gpu.memory_bytes, "usable_bytes": usable,
                              "host_bytes_per_gpu": c.node.cpu_memory_bytes_per_gpu},

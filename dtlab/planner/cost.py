@@ -82,8 +82,32 @@ BUCKET_BYTES = 25e6
 #: Parameters per second DeepSpeed's CPU Adam updates with one GPU's share of the host cores (an assumption).
 CPU_ADAM_PARAMS_PER_S = 1e9
 PRECISIONS = ("bf16", "fp16", "fp32")
-#: Pipeline schedules ``Setup.schedule`` knows.
+#: Pipeline schedules ``Setup.schedule`` knows, and ways of sharing layers out among stages (``stage_layers``).
 SCHEDULES = ("1f1b", "gpipe")
+PIPELINE_SPLITS = ("even", "lighter_ends")
+
+
+def stage_layers(n_layer: int, stages: int, split: str = "even") -> list[int]:
+    """Layers on each pipeline stage: "even" gives the first ``n_layer % stages`` stages one more; "lighter_ends"
+    gives the first and last stages one fewer than the stages between them (what is left over goes to the first
+    middle stages). Raises ``LayoutError`` where a stage would get none."""
+    if split not in PIPELINE_SPLITS:
+        raise ValueError(f"split={split!r}: use one of {', '.join(PIPELINE_SPLITS)}")
+    if split == "even" or stages < 3:
+        base, extra = divmod(n_layer, stages)
+        out = [base + (1 if s < extra else 0) for s in range(stages)]
+    else:
+        middle, extra = divmod(n_layer + 2, stages)             # the two ends give one layer each back
+        out = [middle - 1] + [middle + (1 if s < extra else 0) for s in range(stages - 2)] + [middle - 1]
+    if min(out) < 1:
+        raise LayoutError(f"{n_layer} layers over {stages} pipeline stages leave a stage without a layer. Fix: at "
+                          f"most {n_layer} stages")
+    return out
+
+
+def busiest_layers(shape: ModelShape, layout: Layout, setup: Setup) -> int:
+    """The most layers any pipeline stage of ``layout`` holds: it sets the pipeline's pace."""
+    return max(stage_layers(shape.n_layer, layout.pp, setup.pipeline_split)) if layout.pp > 1 else shape.n_layer
 
 
 def megatron_bucket_bytes(dp: int, grad_bytes: int = 4) -> float:
@@ -332,6 +356,9 @@ class Setup:
     * ``bucket_bytes``: the gradient bucket of DDP and ZeRO-1/2's once-per-step collectives, PyTorch DDP's 25 MB
       (``bucket_cap_mb``); None for Megatron-LM's ``max(40M, 1M x DP)`` parameters (``megatron_bucket_bytes``).
       Each bucket pays a collective's latency once.
+    * ``pipeline_split``: how the layers are shared out among pipeline stages (``stage_layers``): "even" (as equal
+      as they go, the first stages taking one more) or "lighter_ends" (the first and last stages one layer fewer,
+      as Llama 3's schedule does, to make room for what those stages hold besides their layers).
     """
 
     global_batch: int = 512
@@ -345,6 +372,7 @@ class Setup:
     sequence_parallel: bool = True
     schedule: str = "1f1b"
     bucket_bytes: float | None = BUCKET_BYTES
+    pipeline_split: str = "even"
 
     @property
     def value_bytes(self) -> int:
@@ -358,6 +386,8 @@ class Setup:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r}: use one of {', '.join(SCHEDULES)} (1f1b: Megatron-LM's and "
                              "torchtitan's; interleaving is the layout's virtual > 1)")
+        if self.pipeline_split not in PIPELINE_SPLITS:
+            raise ValueError(f"pipeline_split={self.pipeline_split!r}: use one of {', '.join(PIPELINE_SPLITS)}")
         if self.bucket_bytes is not None and self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={self.bucket_bytes}: give a positive size (25e6 is DDP's), or None for "
                              "Megatron-LM's rule")
@@ -412,24 +442,15 @@ def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
     """Bytes per GPU of the busiest GPU: ``params``, ``grads``, ``optimizer``, ``activations``, ``buffers``
     (ZeRO-3's gathered layers), ``total``, and ``cpu`` (offloaded to host memory, per GPU).
 
-    Model states follow ``formulas.model_states`` for this GPU's slice (``Ψ / TP`` of its pipeline
-    stage's layers; the stage with the most layers when they do not divide evenly), sharded by ZeRO over
-    ``Layout.state_shards`` (DP x CP; the shard group x CP under HSDP).
-    Activations follow ``formulas.layer_activation_bytes`` divided by TP
-    (with ``Setup.sequence_parallel``; without it the replicated part stays whole); under 1F1B the first stage holds
-    ``min(M, P)`` micro-batches of ``L/P`` layers (interleaving adds ``(P-1)/(P*v)`` of that; GPipe holds all M);
-    the last holds the fp32 logits (``formulas.logits_bytes``).
+    Every pipeline stage is priced and the one that holds the most is returned. Its model states follow
+    ``formulas.model_states`` for its slice (``Ψ / TP`` of its layers, ``stage_layers``), sharded by ZeRO over
+    ``Layout.state_shards`` (DP x CP; the shard group x CP under HSDP). Activations follow
+    ``formulas.layer_activation_bytes`` divided by TP (with ``Setup.sequence_parallel``; without it the replicated
+    part stays whole); under 1F1B stage s holds ``min(M, P - s)`` micro-batches of its layers (interleaving adds
+    ``(P-1)/(P*v)`` of that; GPipe holds all M); the last holds the fp32 logits (``formulas.logits_bytes``).
     """
     m = micro_batches if micro_batches is not None else max(1, setup.global_batch // (layout.dp * setup.micro_batch))
     precision = "fp32" if setup.precision == "fp32" else "mixed"
-    share = math.ceil(shape.n_layer / layout.pp) / shape.n_layer
-    slice_params = num_params * share / layout.tp
-    states = formulas.model_states(slice_params, layout.state_shards, layout.zero, precision,
-                                   layout.offload_optimizer, layout.offload_params)
-    grads = states.grads
-    if layout.defer_grad_sync:                      # whole gradients until the step's last micro-batch
-        grads = setup.value_bytes * slice_params
-    layers = math.ceil(shape.n_layer / layout.pp)
     seq = setup.seq_len // layout.cp
     b, vb = setup.micro_batch, setup.value_bytes
 
@@ -454,23 +475,26 @@ def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
     peak_extra = {"none": 0.0, "selective": layer("none")["scores"],
                   "op": layer("none")["total"] - layer("op")["total"], "full": layer("none")["total"]}[setup.recompute]
     logits = formulas.logits_bytes(b, seq, shape.vocab)
-    if layout.pp == 1:
-        in_flight = 1.0
-        activations = held(layers) + peak_extra + logits
-    else:
-        in_flight = (m if setup.schedule == "gpipe" else min(m, layout.pp)) * (
-            1 + ((layout.pp - 1) / (layout.pp * layout.virtual) if layout.virtual > 1 else 0))
-        activations = max(held(layers * in_flight), held(layers) + logits) + peak_extra
-    whole = replicated(layers * in_flight)
-    activations = whole + (activations - whole) / layout.tp
-    buffers = 0.0
-    if layout.zero == 3:                            # the layer being computed and the one prefetched, whole
-        buffers = 2 * vb * shape.layer_params / layout.tp
-    mem = {"params": states.params, "grads": grads, "optimizer": states.optimizer, "activations": activations,
-           "buffers": buffers}
-    mem["total"] = sum(mem.values())
-    mem["cpu"] = states.cpu
-    return mem
+    splits = stage_layers(shape.n_layer, layout.pp, setup.pipeline_split) if layout.pp > 1 else [shape.n_layer]
+    interleaved = 1 + ((layout.pp - 1) / (layout.pp * layout.virtual) if layout.virtual > 1 else 0)
+    buffers = 2 * vb * shape.layer_params / layout.tp if layout.zero == 3 else 0.0   # the layer computed, the next
+    busiest = None
+    for s, layers in enumerate(splits):                 # every stage, and the one that holds the most
+        slice_params = num_params * layers / shape.n_layer / layout.tp
+        states = formulas.model_states(slice_params, layout.state_shards, layout.zero, precision,
+                                       layout.offload_optimizer, layout.offload_params)
+        grads = setup.value_bytes * slice_params if layout.defer_grad_sync else states.grads  # deferred: whole
+        # 1F1B: stage s holds min(M, P - s) micro-batches' activations at its peak; GPipe all M
+        in_flight = 1.0 if layout.pp == 1 else (m if setup.schedule == "gpipe" else min(m, layout.pp - s)) * interleaved
+        activations = held(layers * in_flight) + peak_extra + (logits if s == len(splits) - 1 else 0.0)
+        whole = replicated(layers * in_flight)
+        mem = {"params": states.params, "grads": grads, "optimizer": states.optimizer,
+               "activations": whole + (activations - whole) / layout.tp, "buffers": buffers}
+        mem["total"] = sum(mem.values())
+        mem["cpu"] = states.cpu
+        if busiest is None or mem["total"] > busiest["total"]:
+            busiest = mem
+    return busiest
 
 
 def traffic(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
@@ -483,7 +507,7 @@ def traffic(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
     all-reduce of this rank's share of the gradients across replicas.
     """
     m, vb, b = micro_batches, setup.value_bytes, setup.micro_batch
-    share = math.ceil(shape.n_layer / layout.pp) / shape.n_layer
+    share = busiest_layers(shape, layout, setup) / shape.n_layer
     tensor = vb * num_params * share / layout.tp          # this GPU's parameters in the compute format
     grads = setup.grad_reduce_bytes * num_params * share / layout.tp     # its gradients, as they are reduced
     out: dict[str, dict[str, float]] = {"dp": {}, "tp": {}, "cp": {}, "pp": {}}
@@ -499,7 +523,7 @@ def traffic(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
             if layout.hsdp:
                 syncs = 1 if layout.defer_grad_sync or layout.defer_all_reduce else m
                 out["replicate"] = {"all_reduce": syncs * grads / (layout.shard * layout.cp)}
-    layers = math.ceil(shape.n_layer / layout.pp)
+    layers = busiest_layers(shape, layout, setup)
     tokens = b * setup.seq_len // layout.cp
     if layout.tp > 1:
         per_layer = 4 + (2 if setup.recompute == "full" else 0)
@@ -569,7 +593,7 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
     rate = (setup.efficiency or efficiency_for(c.gpu)[0]) * peak
     tokens = setup.micro_batch * setup.seq_len
     f = formulas.training_flops(tokens, shape, setup.seq_len, setup.recompute, num_params, setup.flash_attention)
-    share = math.ceil(shape.n_layer / layout.pp) / shape.n_layer / (layout.tp * layout.cp)
+    share = busiest_layers(shape, layout, setup) / shape.n_layer / (layout.tp * layout.cp)
     fwd = f.forward * share / rate
     recompute = f.recomputed * share / rate
     bwd = 2 * fwd + recompute                              # backward, with what it recomputes
@@ -589,7 +613,7 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
     # data parallelism: per collective call, what can hide it
     dp_exposed = dp_total = 0.0
     if layout.dp * layout.cp > 1:
-        layers = math.ceil(shape.n_layer / layout.pp)
+        layers = busiest_layers(shape, layout, setup)
         one = flows["dp"]
         if layout.zero == 0:
             t = coll("dp", "all_reduce", one["all_reduce"], buckets)
@@ -618,7 +642,7 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
             forward_exp = max(0.0, ag - fwd) + ag / layers
             dp_exposed = m * forward_exp + (m - 1) * backward_exp(early) + backward_exp(last)
             dp_total = 2 * m * ag + (m - 1) * early + last
-    tp_calls = m * math.ceil(shape.n_layer / layout.pp) * (4 + (2 if setup.recompute == "full" else 0))
+    tp_calls = m * busiest_layers(shape, layout, setup) * (4 + (2 if setup.recompute == "full" else 0))
     tp_s = coll("tp", "all_reduce", flows["tp"].get("all_reduce", 0.0), tp_calls)
     cp_s = cp_total = 0.0
     if layout.cp > 1:   # the ring: cp - 1 steps, each a send to the next rank (a p2p per step)
@@ -629,7 +653,7 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
         attention = 4.0 * (setup.micro_batch * setup.seq_len / layout.cp) * setup.seq_len * shape.n_embd / layout.tp
         passes = 3 + (1 if setup.recompute == "full" or (setup.recompute == "selective" and not setup.flash_attention)
                       else 0)
-        hideable = m * math.ceil(shape.n_layer / layout.pp) * passes * attention * (layout.cp - 1) / layout.cp / rate
+        hideable = m * busiest_layers(shape, layout, setup) * passes * attention * (layout.cp - 1) / layout.cp / rate
         cp_s = max(0.0, cp_total - hideable)
     pp_s = 0.0
     if layout.pp > 1:

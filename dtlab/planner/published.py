@@ -95,7 +95,7 @@ class Run:
         return cost.Setup(s["global_batch"], s["micro_batch"], s["seq_len"], s["recompute"], s["precision"],
                           efficiency, s["flash_attention"], s.get("grad_reduce", "fp32"),
                           s.get("sequence_parallel", True), s.get("schedule", "1f1b"),
-                          s.get("bucket_bytes", cost.BUCKET_BYTES))
+                          s.get("bucket_bytes", cost.BUCKET_BYTES), s.get("pipeline_split", "even"))
 
     def layouts(self) -> list[cost.Layout]:
         """The run's layout; where the source gives only TP x PP (``model_parallel``), every split of it with TP
@@ -169,7 +169,7 @@ def compare(r: Run, efficiency: float | None = None, alternatives: bool = True) 
         others = advise.advise(r.params, shape=r.shape, cluster=r.cluster, micro_batch=s.micro_batch,
                                seq_len=s.seq_len, global_batch=s.global_batch, precision=s.precision,
                                grad_reduce=s.grad_reduce, sequence_parallel=s.sequence_parallel,
-                               schedule=s.schedule, bucket_bytes=s.bucket_bytes,
+                               schedule=s.schedule, bucket_bytes=s.bucket_bytes, pipeline_split=s.pipeline_split,
                                recompute=s.recompute, efficiency=efficiency, flash_attention=s.flash_attention)
         fitting = [row for row in others.priced if row["fits"] is True and row["strategy"] != mine["layout"]]
         best = max(fitting, key=lambda row: row["tokens_per_second"], default=None)

@@ -87,6 +87,7 @@ def _advise(args: argparse.Namespace) -> int:
                                precision=args.precision, optimizer=args.optimizer, recompute=args.recompute,
                                efficiency=args.efficiency, headroom=args.headroom, grad_reduce=args.grad_reduce,
                                sequence_parallel=not args.no_sequence_parallel, schedule=args.schedule,
+                               pipeline_split=args.pipeline_split,
                                bucket_bytes=None if args.bucket_mb == "megatron" else float(args.bucket_mb) * 1e6,
                                layout=_parse_layout(args.layout) if args.layout else None,
                                layouts=not args.data_parallel_only)
@@ -156,6 +157,9 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
                      "whole on every TP rank (Megatron-LM without --sequence-parallel)")
     adv.add_argument("--schedule", choices=cost.SCHEDULES, default="1f1b",
                      help="pipeline schedule (default 1f1b: Megatron-LM, torchtitan); gpipe holds every micro-batch")
+    adv.add_argument("--pipeline-split", choices=cost.PIPELINE_SPLITS, default="even",
+                     help="layers per pipeline stage: even (default) or lighter_ends (first and last stage one "
+                     "layer fewer, as Llama 3)")
     adv.add_argument("--bucket-mb", default="25", type=_bucket,
                      help="gradient bucket in MB (default 25, PyTorch DDP's bucket_cap_mb), or 'megatron' for "
                      "Megatron-LM's max(40M, 1M x DP) parameters")
