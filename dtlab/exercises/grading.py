@@ -392,11 +392,6 @@ def compare(report: Report, where: str, actual: dict[str, torch.Tensor], expecte
     return max((d for d, _ in worst), default=0.0)
 
 
-def near(value: float, target: float, rel: float = 0.05) -> bool:
-    """value within ``rel`` of target (both finite)."""
-    return math.isfinite(value) and abs(value - target) <= rel * abs(target)
-
-
 def signature_of(impl: Any) -> str:
     """'name(args)' of a class's __init__ or a function, for messages."""
     try:
