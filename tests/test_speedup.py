@@ -70,6 +70,8 @@ def test_measured_accumulation_times_no_sync_beside_an_all_reduce_per_micro_batc
     assert len(accumulated["sync_each_ratios"]) == 2 * 3
     assert all(r > 0 for r in accumulated["sync_each_ratios"])
     assert len(accumulated["rounds"]) == 2 and accumulated["measured"] > 0
+    each = [r["predicted"] / r["measured"] - 1 for r in accumulated["rounds"]]
+    assert accumulated["error"] == pytest.approx(sum(each) / 2), "the error pairs each launch's own numbers"
     assert len(accumulated["allreduce_samples_s"]) == 2 * 3 and all(t > 0 for t in accumulated["allreduce_samples_s"])
     assert speedup.measure_speedup({**cfg, "accumulation": 1}, nprocs=2)["sync_each_ratios"] == []
 

@@ -238,7 +238,10 @@ def measure_speedup(cfg: dict, nprocs: int = 2, repeats: int = 1) -> dict:
     speed-up (``nprocs x`` one process's mean step time over the DDP step's: samples per second,
     as each process does the same work per step) tests it. ``repeats`` launches are interleaved;
     the medians of their results are returned, and ``spread`` (max - min over median) of the
-    measured speed-up says how noisy the machine was. ``allreduce_samples_s`` pools every launch's
+    measured speed-up says how noisy the machine was. ``error`` (predicted / measured - 1) is the
+    median of each launch's own error: a launch's prediction and measurement come from the same
+    processes, step beside step, so pairing them leaves out what differs between launches, and with
+    three launches or more one that a burst of other work disturbed does not decide it. ``allreduce_samples_s`` pools every launch's
     timed all-reduces (their spread is why ``measure_step`` averages); with accumulation,
     ``sync_each_ratios`` pools every launch's per-step ratios (see ``measure_step``).
     """
@@ -258,6 +261,7 @@ def measure_speedup(cfg: dict, nprocs: int = 2, repeats: int = 1) -> dict:
                        "allreduce_s": many["allreduce_s"], "grad_bytes": many["grad_bytes"],
                        "measured": nprocs * one["step_s"] / many["step_s"],
                        "predicted": nprocs * one["step_s"] / p.step_s,
+                       "error": many["step_s"] / p.step_s - 1,
                        "sync_each_ratios": many.get("sync_each_ratios", []),
                        "allreduce_samples_s": many["samples"]["allreduce_s"]})
     pooled = ("sync_each_ratios", "allreduce_samples_s")
@@ -265,5 +269,4 @@ def measure_speedup(cfg: dict, nprocs: int = 2, repeats: int = 1) -> dict:
     med.update({key: [x for r in rounds for x in r[key]] for key in pooled})
     measured = [r["measured"] for r in rounds]
     med["spread"] = (max(measured) - min(measured)) / med["measured"]
-    med["error"] = med["predicted"] / med["measured"] - 1
     return {"config": cfg, **med, "rounds": rounds}
