@@ -241,9 +241,10 @@ def measure_speedup(cfg: dict, nprocs: int = 2, repeats: int = 1) -> dict:
     measured speed-up says how noisy the machine was. ``error`` (predicted / measured - 1) is the
     median of each launch's own error: a launch's prediction and measurement come from the same
     processes, step beside step, so pairing them leaves out what differs between launches, and with
-    three launches or more one that a burst of other work disturbed does not decide it. ``allreduce_samples_s`` pools every launch's
-    timed all-reduces (their spread is why ``measure_step`` averages); with accumulation,
-    ``sync_each_ratios`` pools every launch's per-step ratios (see ``measure_step``).
+    three launches or more one that a burst of other work disturbed does not decide it.
+    ``allreduce_samples_s`` pools every launch's timed all-reduces (their spread is why
+    ``measure_step`` averages); with accumulation, ``sync_each_ratios`` pools every launch's per-step
+    ratios (see ``measure_step``).
     """
     import statistics
 
