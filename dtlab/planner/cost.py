@@ -593,7 +593,8 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
     rate = (setup.efficiency or efficiency_for(c.gpu)[0]) * peak
     tokens = setup.micro_batch * setup.seq_len
     f = formulas.training_flops(tokens, shape, setup.seq_len, setup.recompute, num_params, setup.flash_attention)
-    share = busiest_layers(shape, layout, setup) / shape.n_layer / (layout.tp * layout.cp)
+    layers = busiest_layers(shape, layout, setup)          # the busiest stage's: it sets the pipeline's pace
+    share = layers / shape.n_layer / (layout.tp * layout.cp)
     fwd = f.forward * share / rate
     recompute = f.recomputed * share / rate
     bwd = 2 * fwd + recompute                              # backward, with what it recomputes
@@ -613,7 +614,6 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
     # data parallelism: per collective call, what can hide it
     dp_exposed = dp_total = 0.0
     if layout.dp * layout.cp > 1:
-        layers = busiest_layers(shape, layout, setup)
         one = flows["dp"]
         if layout.zero == 0:
             t = coll("dp", "all_reduce", one["all_reduce"], buckets)
@@ -642,7 +642,7 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
             forward_exp = max(0.0, ag - fwd) + ag / layers
             dp_exposed = m * forward_exp + (m - 1) * backward_exp(early) + backward_exp(last)
             dp_total = 2 * m * ag + (m - 1) * early + last
-    tp_calls = m * busiest_layers(shape, layout, setup) * (4 + (2 if setup.recompute == "full" else 0))
+    tp_calls = m * layers * (4 + (2 if setup.recompute == "full" else 0))
     tp_s = coll("tp", "all_reduce", flows["tp"].get("all_reduce", 0.0), tp_calls)
     cp_s = cp_total = 0.0
     if layout.cp > 1:   # the ring: cp - 1 steps, each a send to the next rank (a p2p per step)
@@ -653,7 +653,7 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
         attention = 4.0 * (setup.micro_batch * setup.seq_len / layout.cp) * setup.seq_len * shape.n_embd / layout.tp
         passes = 3 + (1 if setup.recompute == "full" or (setup.recompute == "selective" and not setup.flash_attention)
                       else 0)
-        hideable = m * busiest_layers(shape, layout, setup) * passes * attention * (layout.cp - 1) / layout.cp / rate
+        hideable = m * layers * passes * attention * (layout.cp - 1) / layout.cp / rate
         cp_s = max(0.0, cp_total - hideable)
     pp_s = 0.0
     if layout.pp > 1:
