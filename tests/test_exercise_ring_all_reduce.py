@@ -83,8 +83,109 @@ def not_in_place(tensor):
     return out
 
 
+def star_through_rank_0(tensor):
+    """Everyone sends to rank 0, which adds and sends the sum back: a ring's total traffic at N = 2 and 3, but
+    rank 0 moves (N-1) x n."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        incoming = torch.empty_like(tensor)
+        for peer in range(1, world):
+            dist.recv(incoming, peer)
+            tensor += incoming
+        for peer in range(1, world):
+            dist.send(tensor.contiguous(), peer)
+    else:
+        dist.send(tensor.contiguous(), 0)
+        dist.recv(tensor, 0)
+
+
+def with_chunk(tensor):
+    """The ring with chunk() instead of tensor_split(): fewer than N pieces when n < N (or n = 10, N = 4)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    chunks = tensor.view(-1).chunk(world)
+    for phase in ("reduce", "gather"):
+        for step in range(world - 1):
+            i = (rank - step - (1 if phase == "reduce" else 0)) % world
+            j = (rank - step + (0 if phase == "reduce" else 1)) % world
+            incoming = torch.empty_like(chunks[i])
+            if rank % 2 == 0:
+                dist.send(chunks[j].contiguous(), right)
+                dist.recv(incoming, left)
+            else:
+                dist.recv(incoming, left)
+                dist.send(chunks[j].contiguous(), right)
+            chunks[i].add_(incoming) if phase == "reduce" else chunks[i].copy_(incoming)
+
+
+from torch.distributed import all_gather as imported_all_gather  # noqa: E402 -- bound before the grader runs
+from torch.distributed import isend as imported_isend  # noqa: E402
+
+
+def all_gather_then_add(tensor):
+    """Every rank's tensor gathered with a collective imported at the top of the cell, then summed locally."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    imported_all_gather(parts, tensor)
+    tensor.copy_(sum(parts))
+
+
+def ring_with_imported_isend(tensor):
+    """A correct ring whose sends are isend imported at the top of the cell (not blocking: the exercise's point)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    chunks = tensor.view(-1).tensor_split(world)
+    for phase in ("reduce", "gather"):
+        for step in range(world - 1):
+            i = (rank - step - (1 if phase == "reduce" else 0)) % world
+            j = (rank - step + (0 if phase == "reduce" else 1)) % world
+            incoming = torch.empty_like(chunks[i])
+            work = imported_isend(chunks[j].contiguous(), right)
+            dist.recv(incoming, left)
+            work.wait()
+            chunks[i].add_(incoming) if phase == "reduce" else chunks[i].copy_(incoming)
+
+
+def left_ring(tensor):
+    """A correct ring running the other way round (send left, receive from the right), rank 0 receiving first."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    chunks = tensor.view(-1).tensor_split(world)
+    for phase in ("reduce", "gather"):
+        for step in range(world - 1):
+            i = (rank + step + (1 if phase == "reduce" else 0)) % world
+            j = (rank + step + (0 if phase == "reduce" else -1)) % world
+            incoming = torch.empty_like(chunks[i])
+            if rank == 0:
+                dist.recv(incoming, right)
+                dist.send(chunks[j].contiguous(), left)
+            else:
+                dist.send(chunks[j].contiguous(), left)
+                dist.recv(incoming, right)
+            chunks[i].add_(incoming) if phase == "reduce" else chunks[i].copy_(incoming)
+
+
+@pytest.mark.cluster
+def test_another_correct_ring_passes():
+    """Direction and the rank that receives first are the learner's choice."""
+    check(NAME, left_ring, quiet=True).raise_for_failure()
+
+
 WRONG = {
-    "everyone to everyone": (everyone_to_everyone, ["a ring sends", "N(N-1) x n"]),
+    "everyone to everyone": (everyone_to_everyone, ["a ring moves at most 2(N-1) x ceil(n/N)", "(N-1) x n per rank"]),
+    "star through rank 0": (star_through_rank_0, ["rank 0 sent", "one rank does the others' work"]),
+    "chunk() instead of tensor_split()": (with_chunk, ["in case N = 3, tensors of shapes (10,), (4, 5), (2,)"]),
+    "all_gather imported, then added": (all_gather_then_add, ["called dist.all_gather", "send and dist.recv only"]),
+    "isend imported": (ring_with_imported_isend, ["called dist.isend", "blocking"]),
     "reduce-scatter only": (reduce_scatter_only, ["the sum over ranks is", "all-gather half"]),
     "average": (averaged, ["the average, not the sum"]),
     "dist.all_reduce": (with_all_reduce, ["called dist.all_reduce", "from dist.send and dist.recv only"]),

@@ -7,10 +7,13 @@ what must hold, hints — and a call to the grader:
     check("03.bucketed_ddp", MyBucketedDDP)
 
 ``check`` runs your code on N real processes (gloo on CPUs, nccl on GPUs; in a Jupyter or Databricks
-notebook alike), compares what it produces with one process doing the same work, and prints a report: PASSED
-with what it checked, or NOT YET with which rank, which tensor, by how much, against which bound, and the
-likely cause when it recognises one. A stub that still raises ``NotImplementedError`` is "not attempted yet";
-a deadlock is stopped after ``limit_s`` seconds with the stuck ranks and the operation each waits in.
+notebook alike), in a few cases chosen so the usual mistakes show (several N, sizes that do not divide by N or
+are smaller than N, settings that are not the defaults), compares what it produces with one process doing the
+same work, and prints a report: PASSED with what it checked, or NOT YET with the case, which rank, which tensor,
+by how much, against which bound, and the likely cause when it recognises one. It watches the process group
+itself, so every collective and every send is seen, whatever name it was imported under. A stub that still
+raises ``NotImplementedError`` is "not attempted yet"; a deadlock, or learner code that never returns, is stopped
+after ``limit_s`` seconds with the stuck ranks and the operation each waits in.
 
 The exercises (``list_exercises()`` prints them; ``help(dtlab.exercises.<module>)`` explains one):
 
@@ -65,7 +68,8 @@ def check(name: str, impl: Any, nprocs: int | None = None, limit_s: float | None
     Args:
         name: the exercise, e.g. ``"03.bucketed_ddp"`` (``list_exercises()``).
         impl: your function or class, as the stub's signature says (defined in a notebook cell is fine).
-        nprocs: processes to grade on (default: the exercise's own, 2 or 3).
+        nprocs: grade only the cases on this many processes (default: every case; each exercise runs on 2, 3 and
+            4 processes where its mechanism allows).
         limit_s: seconds before a run that has not finished is stopped and reported as a deadlock.
         quiet: return the report without printing it.
 
@@ -76,7 +80,7 @@ def check(name: str, impl: Any, nprocs: int | None = None, limit_s: float | None
 
     module = exercise(name)
     report = Report(name, EXERCISES[name][1])
-    module.grade(impl, report, nprocs=nprocs or module.NPROCS,
+    module.grade(impl, report, nprocs=nprocs if nprocs or hasattr(module, "CASES") else module.NPROCS,
                  limit_s=limit_s or getattr(module, "LIMIT_S", DEFAULT_LIMIT_S))
     if not quiet:
         print(report.text())

@@ -6,31 +6,45 @@ with ``dist.send`` and ``dist.recv`` only — no collective, and not ``isend``/`
 calls *you* must order each rank's send and receive so that no rank waits forever for a peer that is itself
 waiting).
 
-What must hold (what the grader checks, on 3 processes by default):
+What must hold (what the grader checks, on 2, 3 and 4 processes, each with a few tensors: some with fewer
+elements than ranks, some not dividing by N, some dividing, a 2-D one; every input seeded, so a report names the
+case that failed and it fails the same way again):
 
 * every rank ends with the sum of every rank's input, within float32 rounding of one process adding them;
 * every rank ends with the *same bits* (all-reduce's contract: replicas stay identical);
 * the result is in ``tensor`` itself (the caller's tensor; return value ignored);
-* any shape works, and a number of elements that does not divide by the world size (at least one per rank);
-* the ranks send 2(N-1)·n elements in all for a tensor of n elements (each rank 2(N-1)/N·n): a ring's traffic,
-  whatever N is. Sending your whole tensor to every peer also gives the sum, at N(N-1)·n.
+* any shape and any number of elements works, even fewer elements than ranks (some chunks are then empty);
+* each rank sends, and receives, at most 2(N-1) chunks of ceil(n/N) elements for a tensor of n elements: a
+  ring's traffic, on every rank, whatever N is. Sending your whole tensor to every peer also gives the sum, at
+  (N-1)·n per rank; so does sending everything to rank 0 and back, with rank 0 doing N-1 ranks' work;
+* only ``send`` and ``recv`` move data: the grader watches the process group itself, so a collective or an
+  ``isend`` is seen under whatever name it was imported.
 
-Hints: split the flattened tensor into N chunks (``tensor.view(-1).tensor_split(N)`` gives views that write
-through); N-1 reduce-scatter steps (send a chunk right, receive one from the left, add it), then N-1
-all-gather steps (the same, copying). For the ordering: think of even and odd ranks.
+Hints: cut the flattened tensor into N chunks that are views of it, so that writing a chunk writes the tensor
+(which of ``chunk`` and ``tensor_split`` always gives N pieces?). The algorithm has two halves, each of N-1
+steps in which every rank passes one chunk to its neighbour: after the first half each rank holds one chunk's
+full sum, after the second every rank holds all of them. For the ordering: a blocking ``send`` may wait until
+its peer receives, so if every rank sends first, who receives? One rank doing things in the other order breaks
+the cycle.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from dtlab.exercises.grading import COLLECTIVES, Rank, Report, run_ranks, scale_of
+from dtlab.exercises.grading import COLLECTIVES, Case, Rank, Report, grade_cases, run_ranks, scale_of
 
 NPROCS = 3
-#: The tensors each rank all-reduces, in order (elements not dividing by 3, and a 2-D one).
-SHAPES = [(10,), (4, 5), (3,)]
+#: The cases, in the order they are graded: the tensors each rank all-reduces, in order, on N processes (sizes
+#: below N, not dividing by N, dividing by N, and 2-D ones).
+CASES = [
+    Case("N = 3, tensors of shapes (10,), (4, 5), (2,), (3,)", 3, {"shapes": [(10,), (4, 5), (2,), (3,)]}),
+    Case("N = 2, tensors of shapes (7,), (1,), (3, 4)", 2, {"shapes": [(7,), (1,), (3, 4)]}),
+    Case("N = 4, tensors of shapes (9,), (3,), (2, 8), (6,)", 4, {"shapes": [(9,), (3,), (2, 8), (6,)]}),
+]
 
 
 def _input(shape: tuple[int, ...], rank: int, k: int) -> torch.Tensor:
@@ -38,32 +52,44 @@ def _input(shape: tuple[int, ...], rank: int, k: int) -> torch.Tensor:
     return torch.randn(shape, generator=g)
 
 
-def _body(impl: Any, me: Rank) -> dict[str, Any]:
+def _body(impl: Any, me: Rank, shapes: list[tuple[int, ...]]) -> dict[str, Any]:
     results, returned = [], []
-    for k, shape in enumerate(SHAPES):
+    for k, shape in enumerate(shapes):
         t = _input(shape, me.rank, k).to(me.device)
-        out = impl(t)
+        with me.tracer.doing(f"tensor {k} (shape {shape})"):
+            out = impl(t)
         results.append(t.detach().cpu())
         returned.append(out.detach().cpu() if torch.is_tensor(out) else None)
     return {"results": results, "returned": returned}
 
 
-def grade(impl: Any, report: Report, nprocs: int = NPROCS, limit_s: float = 30.0) -> Report:
-    """Grade ``impl`` (your ``ring_all_reduce``) on ``nprocs`` processes into ``report``."""
-    out = run_ranks(report, _body, impl, nprocs=nprocs, limit_s=limit_s)
+def grade(impl: Any, report: Report, nprocs: int | None = None, limit_s: float = 30.0) -> Report:
+    """Grade ``impl`` (your ``ring_all_reduce``) on each case (those on ``nprocs`` processes, if given)."""
+    return grade_cases(report, CASES, lambda case, rep: _grade_case(impl, case, rep, limit_s), nprocs)
+
+
+def _grade_case(impl: Any, case: Case, report: Report, limit_s: float) -> None:
+    n, shapes = case.nprocs, case.params["shapes"]
+    out = run_ranks(report, _body, impl, shapes, nprocs=n, limit_s=limit_s)
     if out is None:
-        return report
-    n = nprocs
+        return
     for rank, r in enumerate(out):
-        used = {op: c for op, c in r["traffic"]["calls"].items() if op in COLLECTIVES}
+        log = r["traffic"]["log"]
+        used: dict[str, int] = {}
+        for e in log:
+            if e["op"] in COLLECTIVES:
+                used[e["api"]] = used.get(e["api"], 0) + 1
         if used:
             report.fail(f"rank {rank} called {', '.join(f'dist.{op} ({c}x)' for op, c in used.items())}: build the "
                         "all-reduce from dist.send and dist.recv only")
-        async_ops = {op: c for op, c in r["traffic"]["calls"].items() if op in ("isend", "irecv")}
+        async_ops: dict[str, int] = {}
+        for e in log:
+            if e["op"] in ("send", "recv") and e["asynchronous"]:
+                async_ops[e["api"]] = async_ops.get(e["api"], 0) + 1
         if async_ops:
             report.fail(f"rank {rank} called {', '.join(f'dist.{op} ({c}x)' for op, c in async_ops.items())}: use "
                         "the blocking dist.send and dist.recv and order them so no rank waits forever")
-    for k, shape in enumerate(SHAPES):
+    for k, shape in enumerate(shapes):
         inputs = [_input(shape, rank, k) for rank in range(n)]
         expected = torch.zeros(shape)
         for x in inputs:                       # one process adding them up, in rank order
@@ -96,19 +122,34 @@ def grade(impl: Any, report: Report, nprocs: int = NPROCS, limit_s: float = 30.0
                             f"{(got - first).abs().max().item():.1e})",
                             "each rank added the chunks in its own order: in a ring, each chunk is summed once, by "
                             "the rank that completes it, and then copied to the others unchanged")
-    elements = sum(x.numel() for x in (torch.empty(s) for s in SHAPES))
-    sent = sum(r["traffic"]["elements"].get("send", 0) + r["traffic"]["elements"].get("isend", 0) for r in out)
-    ring = 2 * (n - 1) * elements
-    if sent > ring:
-        report.fail(f"the ranks sent {sent} elements in all for {elements} elements all-reduced; a ring sends "
-                    f"2(N-1) x n = {ring} ({sent / ring:.2f}x)",
-                    "sending the whole tensor to every peer gives the sum but costs N(N-1) x n: send one chunk "
-                    "at a time to the next rank" if sent >= n * (n - 1) * elements else None)
-    elif not report.problems:
-        report.ok(f"every rank holds the sum of {n} ranks' tensors for shapes {SHAPES}, within rounding, "
-                  "with identical bits on every rank")
-        report.ok(f"{sent} elements sent in all = 2(N-1) x n, a ring's traffic; only dist.send and dist.recv used")
-    return report
+    # the traffic, rank by rank: a ring moves 2(N-1) chunks of at most ceil(n/N) elements through every rank
+    numels = [math.prod(s) for s in shapes]
+    share = sum(2 * (n - 1) * math.ceil(e / n) for e in numels)
+    whole = sum(numels)
+    for rank, r in enumerate(out):
+        sent = sum(e["sent"] for e in r["traffic"]["log"] if e["op"] == "send")
+        received = sum(e["received"] for e in r["traffic"]["log"] if e["op"] == "recv")
+        for what, count in (("sent", sent), ("received", received)):
+            if count > share:
+                report.fail(f"rank {rank} {what} {count} elements for {whole} elements all-reduced; a ring moves at "
+                            f"most 2(N-1) x ceil(n/N) = {share} through each rank ({count / share:.2f}x)",
+                            _traffic_cause(out, n, whole))
+    if not report.problems:
+        report.ok("every rank holds the sum of the ranks' tensors within rounding, identical bits on every rank, "
+                  "for tensors with fewer elements than ranks, not dividing by N and dividing by N")
+        report.ok("each rank sent and received at most 2(N-1) chunks of ceil(n/N) elements: a ring's traffic on "
+                  "every rank; only blocking dist.send and dist.recv used (seen at the process group)")
+
+
+def _traffic_cause(out: list[dict], n: int, whole: int) -> str | None:
+    sent = [sum(e["sent"] for e in r["traffic"]["log"] if e["op"] == "send") for r in out]
+    if max(sent) >= (n - 1) * whole and min(sent) < max(sent):
+        return ("one rank does the others' work: gathering everything on one rank and sending the sum back moves "
+                "(N-1) x n through that rank; in a ring every rank passes one chunk per step to its neighbour")
+    if min(sent) >= (n - 1) * whole:
+        return ("sending the whole tensor to every peer gives the sum but costs (N-1) x n per rank: send one chunk "
+                "at a time to the next rank")
+    return "each step passes one chunk (1/N of the tensor), not the whole tensor, to the next rank"
 
 
 def _cause(got: torch.Tensor, expected: torch.Tensor, inputs: list[torch.Tensor], rank: int, n: int) -> str | None:
