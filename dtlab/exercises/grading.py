@@ -28,6 +28,7 @@ import operator
 import os
 import shutil
 import sys
+import sysconfig
 import tempfile
 import time
 import traceback
@@ -45,9 +46,11 @@ import torch
 DEFAULT_LIMIT_S = 30.0
 #: Process start-up allowance on top of the limit (forked workers, process-group rendezvous).
 STARTUP_S = 30.0
+#: The same for one process without a process group to join (``run_limited``).
+LIMITED_STARTUP_S = 10.0
 
 #: ``torch.distributed`` calls the tracer watches: name -> (blocks until done unless async_op, who it talks to)
-POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
                "all_gather_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter", "reduce_scatter_tensor",
                "reduce_scatter_tensor_coalesced", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter")
@@ -132,14 +135,20 @@ class Report:
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _DTLAB_DIR = os.path.dirname(os.path.dirname(__file__))
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+
+
+def _not_learners(filename: str) -> bool:
+    """Whether a frame's file is torch's, this package's or Python's own library (not the learner's code)."""
+    return (filename.startswith((_TORCH_DIR, _DTLAB_DIR, _STDLIB_DIR)) or "site-packages" in filename
+            or "contextlib" in filename)
 
 
 def _learner_frame(skip: int = 2) -> str:
     """' (line L of fn)' for the innermost caller outside torch and this package ('' if none)."""
     frame = sys._getframe(skip)
     while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith(_TORCH_DIR) or name.startswith(_DTLAB_DIR) or "contextlib" in name):
+        if not _not_learners(frame.f_code.co_filename):
             return f" (line {frame.f_lineno} of {frame.f_code.co_name})"
         frame = frame.f_back
     return ""
@@ -217,7 +226,13 @@ class _CommMode(_Mode):
             table = C10D_OPS if namespace == "c10d" else FUNCTIONAL_OPS
             spec = table.get(func._schema.name.split("::")[-1])
             if spec is not None:
+                self.tracer._entry = None
                 self.tracer._record(spec, namespace, func, args)
+                out = func(*args, **kwargs)
+                entry = self.tracer._entry
+                if entry is not None and spec[2] is None and spec[0] not in ("send", "barrier"):
+                    entry["received"] = _numel(out)      # a functional collective returns what this rank receives
+                return out
         return func(*args, **kwargs)
 
 
@@ -255,6 +270,7 @@ class Tracer:
         self._mode: _CommMode | None = None
         self._work_wait: Any = None
         self._profile: Any = None
+        self._entry: dict[str, Any] | None = None
 
     # -- the status file
     def _write(self, text: str) -> None:
@@ -305,12 +321,16 @@ class Tracer:
         if namespace == "c10d" and op in ("send", "recv") and func._schema.name.endswith(("send", "recv_")):
             peer = args[2] if len(args) > 2 and isinstance(args[2], int) else None
         frame = _api_frame()
+        if op in ("broadcast", "reduce", "gather", "scatter") and frame is not None:   # the root, as the call named it
+            roots = [frame.f_locals.get(k) for k in ("src", "dst", "group_src", "group_dst")]
+            peer = next((r for r in roots if isinstance(r, int)), None)
         api = frame.f_code.co_name if frame is not None else ("functional " + op if namespace != "c10d" else op)
         asynchronous = namespace != "c10d" or api in ASYNC_APIS or bool(
             frame is not None and frame.f_locals.get("async_op"))
         entry = {"op": op, "api": api, "sent": sent, "received": received, "peer": peer,
                  "asynchronous": asynchronous, "label": self._label, "line": _learner_frame(2).strip(" ()")}
         self.log.append(entry)
+        self._entry = entry
         self.calls[op] = self.calls.get(op, 0) + 1
         self.elements[op] = self.elements.get(op, 0) + (sent or received)
         if op == "send" and peer is not None:
@@ -407,7 +427,9 @@ def course_code(*objects: Any) -> dict[Any, str]:
         for m in members:
             m = getattr(m, "__func__", m)
             m = getattr(m, "fget", m)
-            if hasattr(m, "__code__"):
+            if callable(m):
+                m = inspect.unwrap(m)     # a decorator's wrapper (torch.no_grad's) is shared by many functions
+            if hasattr(m, "__code__") and getattr(m, "__qualname__", "").startswith(obj.__qualname__):
                 add(m.__code__, name)
     return found
 
@@ -465,10 +487,10 @@ def _learner_lines(tb: str) -> str:
     out = []
     for line in tb.splitlines():
         line = line.strip()
-        if line.startswith("File ") and "site-packages" not in line and "/dtlab/" not in line \
-                and "/torch/" not in line and "multiprocessing" not in line:
+        if line.startswith("File ") and "/dtlab/" not in line and "/torch/" not in line \
+                and "multiprocessing" not in line:
             parts = line.split(", ")
-            if len(parts) >= 3:
+            if len(parts) >= 3 and not _not_learners(parts[0].removeprefix("File ").strip('"')):
                 out.append(f"{parts[1]} of {parts[2].removeprefix('in ')}")
     return out[-1] if out else ""
 
@@ -549,7 +571,7 @@ def run_limited(report: Report, fn: Callable[..., Any], *args: Any, limit_s: flo
 
     start = time.monotonic()
     try:
-        out = run(_limited_worker, fn, args, nprocs=1, backend="gloo", timeout=limit_s + STARTUP_S,
+        out = run(_limited_worker, fn, args, nprocs=1, backend="gloo", timeout=limit_s + LIMITED_STARTUP_S,
                   prefix_output=False)[0]
     except LaunchTimeout:
         report.fail(f"{what} did not return within {limit_s:.0f} s: an endless loop? (it was stopped)")
@@ -630,8 +652,8 @@ def compare(report: Report, where: str, actual: dict[str, torch.Tensor], expecte
             worst.append((math.inf, name))
             continue
         d = (act.detach().float().cpu() - exp.detach().float().cpu()).abs().max().item() if exp.numel() else 0.0
-        if math.isnan(d):
-            report.fail(f"{where}: {what} {name} holds NaN")
+        if math.isnan(d) or math.isinf(d):
+            report.fail(f"{where}: {what} {name} holds {'NaN' if math.isnan(d) else 'inf'}")
             worst.append((math.inf, name))
         else:
             worst.append((d, name))
