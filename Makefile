@@ -16,7 +16,7 @@ RUNTIME ?= 17.3
 RUNTIME_VENV ?= .venv-dbr$(RUNTIME)
 RPY := $(RUNTIME_VENV)/bin/python
 
-.PHONY: setup setup-core setup-runtime course lab site test test-quick test-runtime lint clean
+.PHONY: setup setup-core setup-runtime course lab site test test-quick test-runtime mutants lint clean
 setup:
 	@bash scripts/setup.sh
 
@@ -61,6 +61,10 @@ test-runtime: export PYSPARK_PYTHON := $(abspath $(RPY))
 test-runtime: export DTLAB_TEST_RUNTIME := $(RUNTIME)
 test-runtime: setup-runtime
 	@bash scripts/test_phases.sh $(RPY) "cluster and not runtime and not alone" "runtime or (cluster and alone)" tests $(PYTEST_ARGS)
+
+# Grade every mutant of the exercises' references: kill rates and survivors in markdown (EXERCISES=... for some).
+mutants: setup-core
+	$(PY) scripts/mutants.py $(EXERCISES)
 
 lint: setup
 	$(VENV)/bin/ruff check .
