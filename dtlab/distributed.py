@@ -98,11 +98,83 @@ def barrier() -> None:
         dist.barrier()
 
 
+#: Lowest port ``free_port`` hands out, and how long a port it handed out stays promised to its caller.
+PORTS_FROM, PORT_CLAIM_S = 15000, 300.0
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for ``MASTER_PORT``)."""
+    """A TCP port on 127.0.0.1 that is free now and stays free until the caller's workers bind it.
+
+    A port the kernel picks (``bind(("", 0))``) is only free for a moment: it comes from the ephemeral range, and
+    any other program's next connection or listening socket may take it before the launched rank 0 binds it
+    (two test suites side by side then meet in one rendezvous and fail at their first collective). So the port is
+    drawn at random *below* the ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``), where the kernel
+    never hands out ports, and promised to this caller for ``PORT_CLAIM_S`` seconds by a file in
+    ``$TMPDIR/dtlab-ports`` that other ``free_port`` calls respect. Where that range is too small, the kernel's
+    pick is returned, as before.
+    """
+    low, high = PORTS_FROM, _ephemeral_start() - 1
+    if high - low >= 1000:
+        draw = random.SystemRandom()                  # not the seeded ``random``: two seeded processes would agree
+        for _ in range(100):
+            port = draw.randint(low, high)
+            if _bindable(port) and _claim(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _sweep(folder: str, before: float) -> None:
+    for name in os.listdir(folder):
+        try:
+            if os.path.getmtime(os.path.join(folder, name)) < before:
+                os.unlink(os.path.join(folder, name))
+        except OSError:
+            pass
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768                                  # Linux's default; macOS's starts at 49152
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _claim(port: int) -> bool:
+    """Promise ``port`` to this caller unless another ``free_port`` promised it less than PORT_CLAIM_S ago."""
+    import tempfile
+    import time
+
+    folder = os.path.join(tempfile.gettempdir(), "dtlab-ports")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, str(port))
+    for _ in range(2):
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            if random.SystemRandom().random() < 0.02:  # now and then, forget the promises that have lapsed
+                _sweep(folder, time.time() - PORT_CLAIM_S)
+            return True
+        except FileExistsError:
+            try:
+                if time.time() - os.path.getmtime(path) < PORT_CLAIM_S:
+                    return False
+                os.unlink(path)                       # a stale promise: take it (one of two racing callers wins)
+            except OSError:
+                return False
+        except OSError:
+            return True                               # no writable temp folder: the range alone must do
+    return False
 
 
 def setup(backend: str | None = None, timeout: timedelta | None = None) -> torch.device:

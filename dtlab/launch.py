@@ -161,6 +161,11 @@ def _worker(payload: bytes, rank: int, env: dict[str, str], cwd: str, q: Any) ->
         sys.stdout.flush()
         sys.stderr.flush()
         q.put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        # In the pipe before this process exits: its exit closes its connections, its peers then fail with
+        # "Connection closed by peer", and the parent must read the cause before those consequences.
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        q.close()
+        q.join_thread()
         return
     sys.stdout.flush()
     sys.stderr.flush()

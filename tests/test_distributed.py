@@ -100,6 +100,39 @@ def test_free_port_is_bindable():
         s.bind(("127.0.0.1", port))
 
 
+def test_free_port_is_below_the_ephemeral_range_and_never_handed_out_twice_while_promised(monkeypatch, tmp_path):
+    """The kernel's own picks come from the ephemeral range, where any program's next socket may take the port
+    before the workers bind it; free_port draws below it and promises each port it hands out."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    draws = iter([23456, 23456, 23457])
+
+    class Draw:
+        def randint(self, low, high):
+            return next(draws)
+
+        def random(self):
+            return 1.0
+
+    monkeypatch.setattr(distributed.random, "SystemRandom", Draw)
+    first = distributed.free_port()
+    second = distributed.free_port()         # the same draw again: promised to the first caller, so skipped
+    assert (first, second) == (23456, 23457)
+    assert first < distributed._ephemeral_start()
+    assert sorted(os.listdir(tmp_path / "dtlab-ports")) == ["23456", "23457"]
+
+
+def test_a_lapsed_promise_is_taken_over(monkeypatch, tmp_path):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    (tmp_path / "dtlab-ports").mkdir()
+    stale = tmp_path / "dtlab-ports" / "24000"
+    stale.touch()
+    os.utime(stale, (0, 0))
+    assert distributed._claim(24000)
+    assert not distributed._claim(24000)
+
+
 def _fails_on_rank_1_while_rank_0_communicates():
     import time
 

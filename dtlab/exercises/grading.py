@@ -517,7 +517,8 @@ def run_ranks(report: Report, body: Callable[..., Any], impl: Any, *args: Any, n
         message = str(exc).split("\n")[0]
         if any(word in message for word in ("Timed out", "timed out", "Timeout", "Connection closed by peer")) \
                 or (_waiting(status_dir) and not _learner_lines(exc.remote_traceback)):
-            _stuck(report, status_dir, [exc.rank], time.monotonic() - start)
+            _stuck(report, status_dir, [exc.rank], time.monotonic() - start,
+                   ended=message.removeprefix(f"rank {exc.rank} failed: ")[:200], ended_rank=exc.rank)
             return None
         where = _learner_lines(exc.remote_traceback)
         report.fail(f"{message}" + (f" (at {where})" if where else ""))
@@ -612,13 +613,15 @@ def _waiting(status_dir: str) -> dict[int, str]:
     return {r: s for r, s in sorted(_statuses(status_dir).items()) if s.startswith("waiting")}
 
 
-def _stuck(report: Report, status_dir: str, pending: list[int], seconds: float) -> None:
+def _stuck(report: Report, status_dir: str, pending: list[int], seconds: float, ended: str = "",
+           ended_rank: int = -1) -> None:
     statuses = _statuses(status_dir)
     waiting = _waiting(status_dir)
     named = waiting or {r: statuses.get(r, "never started") for r in pending}
     point_to_point = any(f"dist.{op}(" in s for s in waiting.values() for op in POINT_TO_POINT)
     report.fail(f"deadlock: stopped after {seconds:.0f} s; "
-                + "; ".join(f"rank {r} was {s}" for r, s in named.items()),
+                + "; ".join(f"rank {r} was {s}" for r, s in named.items())
+                + (f" (rank {ended_rank} ended with: {ended})" if ended else ""),
                 "two ranks each wait for the other: every send needs a matching receive on the peer, in an order "
                 "both sides reach (a rank that receives before it sends waits for a peer doing the same)"
                 if point_to_point or not waiting else
