@@ -39,19 +39,14 @@ def test_the_file_holds_enough_sourced_runs():
 @pytest.mark.parametrize("run", RUNS, ids=NAMES)
 def test_no_published_layout_reads_does_not_fit(run):
     """Issue 41 item 7: a layout that trained must never read "does not fit"; it may read "tight" (inside the
-    planner's headroom). The runs left out of the "fits" check are held to this too, except where the reason the
+    planner's headroom: since issue 49 the total counts the CUDA context, NCCL and the allocator's slack it used to
+    leave to the headroom, so a run its framework tuned to fill the card reads tight). The runs left out of the
+    "fits" check are held to this too, except where the reason the
     record gives is a memory the planner does not model at all."""
     fit = published.compare(run, alternatives=False)["fit"]
     if fit == "does not fit" and run.exempt("fits"):
         pytest.skip(f"the planner's memory model misses what this run did: {run.exempt('fits')[:100]}")
     assert fit in ("fits", "tight"), f"{run.name}: {fit}"
-
-
-@pytest.mark.parametrize("run", RUNS, ids=NAMES)
-def test_the_published_layout_fits(run):
-    if run.exempt("fits"):
-        pytest.skip(run.exempt("fits")[:120])
-    assert published.compare(run, alternatives=False)["fits"] is True
 
 
 @pytest.mark.parametrize("run", RUNS, ids=NAMES)

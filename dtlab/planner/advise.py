@@ -244,13 +244,15 @@ def candidate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len:
     return out
 
 
-def _optimizer_bytes(adam_bytes: float, precision: str, stage: int, optimizer: str) -> float:
-    """Optimizer-state bytes for ``optimizer``, from Adam's (``model_states`` counts Adam)."""
+def _optimizer_bytes(adam_bytes: float, precision: str, stage: int, optimizer: str,
+                     framework: str = "pytorch") -> float:
+    """Optimizer-state bytes for ``optimizer``, from Adam's (``memory.states_per_param`` counts Adam)."""
     if optimizer == "adam":
         return adam_bytes
-    # SGD with momentum keeps one moment instead of two: mixed precision 4 (master) + 4 (momentum) of Adam's 12;
-    # fp32 DDP 4 of Adam's 8; fp32 ZeRO (a master copy) 8 of 12.
-    return adam_bytes * (0.5 if precision == "fp32" and stage == 0 else 2 / 3)
+    # SGD with momentum keeps one moment instead of two. PyTorch (its fp32 parameters are the master weights) and fp32
+    # DDP: 4 of Adam's 8; with a separate fp32 master (Megatron-LM, DeepSpeed): 4 + 4 of Adam's 12.
+    master = framework != "pytorch" and not (precision == "fp32" and stage == 0)
+    return adam_bytes * (2 / 3 if master else 0.5)
 
 
 def _row(num_params: float, shape: ModelShape, layout: Layout, c: hardware.Cluster, setup: Setup, optimizer: str,
@@ -272,14 +274,14 @@ def _row(num_params: float, shape: ModelShape, layout: Layout, c: hardware.Clust
     mem = dict(result["memory"])
     cpu = mem.pop("cpu")
     if optimizer != "adam":       # SGD keeps less; offloaded optimizer state shrinks the same way
-        for where in ("optimizer",):
-            adam = mem[where]
-            mem[where] = _optimizer_bytes(adam, setup.precision, layout.zero, optimizer)
+        adam = mem["optimizer"]
+        mem["optimizer"] = _optimizer_bytes(adam, setup.precision, layout.zero, optimizer, setup.framework)
+        for key in ("allocated", "total"):       # the states are part of either peak
+            mem[key] += mem["optimizer"] - adam
         if layout.offload_optimizer:
             adam_cpu = formulas.model_states(num_params / (layout.tp * layout.pp), layout.shard_degree,
                                              layout.zero).optimizer
-            cpu += _optimizer_bytes(adam_cpu, setup.precision, layout.zero, optimizer) - adam_cpu
-        mem["total"] = sum(v for k, v in mem.items() if k != "total")
+            cpu += _optimizer_bytes(adam_cpu, setup.precision, layout.zero, optimizer, setup.framework) - adam_cpu
     fit = costs.fit_state(mem["total"], c.gpu.memory_bytes, headroom, cpu, c.node.cpu_memory_bytes_per_gpu)
     fits = None if fit is None else fit == "fits"
     splits = costs.stage_layers(shape.n_layer, layout.pp, setup.pipeline_split) if layout.pp > 1 else []
@@ -301,7 +303,8 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
            recompute: str = "selective", efficiency: float | None = None, headroom: float = formulas.HEADROOM,
            flash_attention: bool = True, layout: Layout | dict | None = None, layouts: bool = True,
            grad_reduce: str = "fp32", sequence_parallel: bool = True, schedule: str = "1f1b",
-           bucket_bytes: float | None = costs.BUCKET_BYTES, pipeline_split: str = "even") -> Advice:
+           bucket_bytes: float | None = costs.BUCKET_BYTES, pipeline_split: str = "even",
+           framework: str = "pytorch", eager_norms: bool = False) -> Advice:
     """Price every strategy for a model on a cluster and recommend one; see the module's help.
 
     Args:
@@ -329,6 +332,9 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
             (True), the pipeline schedule ("1f1b" or "gpipe"), the gradient bucket (25 MB, DDP's; None for
             Megatron-LM's rule) and how layers are shared out among pipeline stages ("even" or "lighter_ends");
             ``cost.Setup`` says what each changes.
+        framework, eager_norms: whose code trains ("pytorch", "megatron", "deepspeed", "megatron-deepspeed"; how model
+            states, the loss and buffers are kept: ``dtlab.planner.memory``) and whether its RMSNorm is eager PyTorch
+            that upcasts to fp32 (Hugging Face's Llama).
 
     Raises:
         ValueError: for sizes that are not positive, a hidden size not divisible by the heads, an unknown
@@ -365,7 +371,7 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
                          f"of at most {global_batch} sequences")
     eff, eff_source = (efficiency, "given") if efficiency is not None else costs.efficiency_for(c.gpu)
     setup = Setup(global_batch, micro_batch, seq_len, recompute, precision, eff, flash_attention, grad_reduce,
-                  sequence_parallel, schedule, bucket_bytes, pipeline_split)
+                  sequence_parallel, schedule, bucket_bytes, pipeline_split, framework, eager_norms)
     timed = costs.can_time(c, precision)
 
     if layout is not None:
@@ -401,7 +407,7 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
                            "efficiency": eff, "efficiency_source": eff_source, "headroom": headroom,
                            "flash_attention": flash_attention, "grad_reduce": grad_reduce,
                            "sequence_parallel": sequence_parallel, "schedule": schedule, "bucket_bytes": bucket_bytes,
-                           "pipeline_split": pipeline_split},
+                           "pipeline_split": pipeline_split, "framework": framework, "eager_norms": eager_norms},
                     cluster={"name": c.name, "gpus": g, "nodes": c.nodes, "gpus_per_node": c.node.gpus,
                              "gpu": c.gpu.name, "gpu_memory_bytes": c.gpu.memory_bytes, "usable_bytes": usable,
                              "host_bytes_per_gpu": c.node.cpu_memory_bytes_per_gpu},

@@ -344,7 +344,7 @@ class Setup:
     FSDP2's ``MixedPrecisionPolicy`` without a ``reduce_dtype``, or a DDP compression hook: half the bytes.
     Parameter all-gathers travel in the compute format either way; memory keeps the ZeRO paper's accounting.
 
-    Three assumptions a framework decides, with their defaults:
+    What a framework decides, with the defaults:
 
     * ``sequence_parallel``: with tensor parallelism, the norms, dropouts and the layers' inputs are split over the
       TP ranks too (Korthikanti et al. 2022; torchtitan's TP plan, Megatron-LM's ``--sequence-parallel``), so every
@@ -356,6 +356,13 @@ class Setup:
     * ``bucket_bytes``: the gradient bucket of DDP and ZeRO-1/2's once-per-step collectives, PyTorch DDP's 25 MB
       (``bucket_cap_mb``); None for Megatron-LM's ``max(40M, 1M x DP)`` parameters (``megatron_bucket_bytes``).
       Each bucket pays a collective's latency once.
+    * ``framework``: whose code trains (``dtlab.planner.memory.FRAMEWORKS``): "pytorch" (DDP, FSDP, torchtitan,
+      Hugging Face, this course), "megatron", "deepspeed" or "megatron-deepspeed". It sets how model states are kept
+      (fp32 parameters and gradients in PyTorch; Megatron-LM's fp32 gradient buffer beside 16-bit parameters;
+      DeepSpeed's 16-bit parameters and fp32 gradient partition), the loss's working set and the buffers.
+    * ``eager_norms``: the model's RMSNorm is eager PyTorch that upcasts to fp32 (Hugging Face's Llama, Mistral,
+      Qwen): each norm keeps an fp32 copy of its input for backward. False for fused norms (Megatron-LM, Apex,
+      torch.compile) and for LayerNorm, which PyTorch computes in one kernel.
     * ``pipeline_split``: how the layers are shared out among pipeline stages (``stage_layers``): "even" (as equal
       as they go, the first stages taking one more) or "lighter_ends" (the first and last stages one layer fewer,
       as Llama 3's schedule does, to make room for what those stages hold besides their layers).
@@ -373,6 +380,8 @@ class Setup:
     schedule: str = "1f1b"
     bucket_bytes: float | None = BUCKET_BYTES
     pipeline_split: str = "even"
+    framework: str = "pytorch"
+    eager_norms: bool = False
 
     @property
     def value_bytes(self) -> int:
@@ -380,6 +389,17 @@ class Setup:
         return 4 if self.precision == "fp32" else 2
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            why = (" Float8 training (torchao's float8 linears, Transformer Engine's FP8) keeps float8 copies for "
+                   "backward and scaling state, and gathers float8 weights: the planner does not price it" if
+                   "8" in str(self.precision) else "")
+            raise ValueError(f"precision={self.precision!r}: use one of {', '.join(PRECISIONS)}.{why} Fix: price the "
+                             "run as bf16 and measure its memory (torch.cuda.max_memory_allocated), knowing the "
+                             "prediction is not for float8")
+        from dtlab.planner.memory import FRAMEWORKS
+        if self.framework not in FRAMEWORKS:
+            raise ValueError(f"framework={self.framework!r}: use one of {', '.join(FRAMEWORKS)} (pytorch: DDP, FSDP, "
+                             "torchtitan, Hugging Face; megatron: Megatron-LM; deepspeed; megatron-deepspeed)")
         if self.grad_reduce not in PRECISIONS:
             raise ValueError(f"grad_reduce={self.grad_reduce!r}: use one of {', '.join(PRECISIONS)} (fp32: what DDP "
                              "under autocast, Megatron-LM and torchtitan send; bf16: DeepSpeed's default)")
@@ -439,59 +459,39 @@ def check(num_params: float, shape: ModelShape, layout: Layout, cluster: hardwar
 
 def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
            micro_batches: int | None = None) -> dict[str, float]:
-    """Bytes per GPU of the busiest GPU: ``params``, ``grads``, ``optimizer``, ``activations``, ``buffers``
-    (ZeRO-3's gathered layers), ``total``, and ``cpu`` (offloaded to host memory, per GPU).
+    """Bytes per GPU at the step's peak on the busiest GPU, by what holds them (``dtlab.planner.memory``):
+    ``params``, ``grads``, ``optimizer`` (model states as ``Setup.framework`` keeps them), ``activations``, ``loss``
+    (the logits and the cross-entropy, last stage), ``buffers`` (gathered units, buckets, 16-bit copies; at the
+    optimizer step its temporaries), ``allocated`` (their sum: what ``torch.cuda.max_memory_allocated`` shows),
+    ``runtime`` (CUDA context, NCCL, the allocator's slack), ``total`` (``allocated + runtime``: what nvidia-smi
+    shows, and what must fit), ``peak_at`` ("backward" or "optimizer step"), ``stage`` (the pipeline stage priced)
+    and ``cpu`` (offloaded to host memory, per GPU).
 
-    Every pipeline stage is priced and the one that holds the most is returned. Its model states follow
-    ``formulas.model_states`` for its slice (``Ψ / TP`` of its layers, ``stage_layers``), sharded by ZeRO over
-    ``Layout.state_shards`` (DP x CP; the shard group x CP under HSDP). Activations follow
-    ``formulas.layer_activation_bytes`` divided by TP (with ``Setup.sequence_parallel``; without it the replicated
-    part stays whole); under 1F1B stage s holds ``min(M, P - s)`` micro-batches of its layers (interleaving adds
-    ``(P-1)/(P*v)`` of that; GPipe holds all M); the last holds the fp32 logits (``formulas.logits_bytes``).
+    Every pipeline stage is priced and the one that holds the most is returned: stage s has its layers
+    (``stage_layers``), the first also the embedding and the last the output layer (and the loss); under 1F1B it
+    holds ``min(M, P - s)`` micro-batches' activations at its peak (interleaving adds ``(P-1)/(P*v)`` of that;
+    GPipe holds all M). Without a pipeline the one GPU holds both ends.
     """
+    from dtlab.planner import memory as peak
+
     m = micro_batches if micro_batches is not None else max(1, setup.global_batch // (layout.dp * setup.micro_batch))
-    precision = "fp32" if setup.precision == "fp32" else "mixed"
-    seq = setup.seq_len // layout.cp
-    b, vb = setup.micro_batch, setup.value_bytes
-
-    def layer(mode: str) -> dict[str, float]:
-        return formulas.layer_activation_bytes(shape, b, seq, mode, setup.flash_attention, vb)
-
-    def held(n_layers: float) -> float:
-        return layer(setup.recompute)["total"] * n_layers
-
-    def replicated(n_layers: float) -> float:
-        """What TP leaves whole on every rank without sequence parallelism: the norms' inputs, the attention's
-        and MLP's inputs and the dropout masks (all of what full recomputation keeps)."""
-        if setup.sequence_parallel or layout.tp == 1:
-            return 0.0
-        kept = layer(setup.recompute)
-        if setup.recompute in ("full", "op"):
-            return kept["norms"] * n_layers
-        tokens_h = b * seq * shape.n_embd
-        return (kept["norms"] + 2 * vb * tokens_h + (2 * tokens_h if shape.dropout else 0.0)) * n_layers
-
-    # what one layer's backward recomputes on top of what is held: its scores, or (full) all of it
-    peak_extra = {"none": 0.0, "selective": layer("none")["scores"],
-                  "op": layer("none")["total"] - layer("op")["total"], "full": layer("none")["total"]}[setup.recompute]
-    logits = formulas.logits_bytes(b, seq, shape.vocab)
     splits = stage_layers(shape.n_layer, layout.pp, setup.pipeline_split) if layout.pp > 1 else [shape.n_layer]
     interleaved = 1 + ((layout.pp - 1) / (layout.pp * layout.virtual) if layout.virtual > 1 else 0)
-    buffers = 2 * vb * shape.layer_params / layout.tp if layout.zero == 3 else 0.0   # the layer computed, the next
+    layer_total = shape.n_layer * shape.layer_params
+    embedding = max(0.0, num_params - layer_total)       # what is not in the layers: embedding, output layer, norm
+    # under a pipeline each end holds its own: a tied embedding twice (Megatron-LM copies it to the last stage), an
+    # untied model's input embedding on the first stage and its output layer on the last
+    end_share = 1.0 if shape.tied else 0.5
     busiest = None
     for s, layers in enumerate(splits):                 # every stage, and the one that holds the most
-        slice_params = num_params * layers / shape.n_layer / layout.tp
-        states = formulas.model_states(slice_params, layout.state_shards, layout.zero, precision,
-                                       layout.offload_optimizer, layout.offload_params)
-        grads = setup.value_bytes * slice_params if layout.defer_grad_sync else states.grads  # deferred: whole
-        # 1F1B: stage s holds min(M, P - s) micro-batches' activations at its peak; GPipe all M
-        in_flight = 1.0 if layout.pp == 1 else (m if setup.schedule == "gpipe" else min(m, layout.pp - s)) * interleaved
-        activations = held(layers * in_flight) + peak_extra + (logits if s == len(splits) - 1 else 0.0)
-        whole = replicated(layers * in_flight)
-        mem = {"params": states.params, "grads": grads, "optimizer": states.optimizer,
-               "activations": whole + (activations - whole) / layout.tp, "buffers": buffers}
-        mem["total"] = sum(mem.values())
-        mem["cpu"] = states.cpu
+        first, last = s == 0, s == len(splits) - 1
+        psi_layers = num_params * layers / shape.n_layer if embedding == 0 else layers * shape.layer_params
+        ends = embedding if layout.pp == 1 else embedding * end_share * (int(first) + int(last))
+        psi = (psi_layers + ends) / layout.tp
+        in_flight = 1.0 if layout.pp == 1 else float(m if setup.schedule == "gpipe" else min(m, layout.pp - s))
+        mem = peak.stage_peak(shape=shape, layout=layout, setup=setup, psi=psi, psi_layers=psi_layers / layout.tp,
+                              layers=layers, in_flight=in_flight, first=first, last=last, interleaved=interleaved)
+        mem["stage"] = s
         if busiest is None or mem["total"] > busiest["total"]:
             busiest = mem
     return busiest

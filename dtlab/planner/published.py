@@ -95,7 +95,8 @@ class Run:
         return cost.Setup(s["global_batch"], s["micro_batch"], s["seq_len"], s["recompute"], s["precision"],
                           efficiency, s["flash_attention"], s.get("grad_reduce", "fp32"),
                           s.get("sequence_parallel", True), s.get("schedule", "1f1b"),
-                          s.get("bucket_bytes", cost.BUCKET_BYTES), s.get("pipeline_split", "even"))
+                          s.get("bucket_bytes", cost.BUCKET_BYTES), s.get("pipeline_split", "even"),
+                          s.get("framework", "pytorch"))
 
     def layouts(self) -> list[cost.Layout]:
         """The run's layout; where the source gives only TP x PP (``model_parallel``), every split of it with TP

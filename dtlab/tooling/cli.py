@@ -87,7 +87,8 @@ def _advise(args: argparse.Namespace) -> int:
                                precision=args.precision, optimizer=args.optimizer, recompute=args.recompute,
                                efficiency=args.efficiency, headroom=args.headroom, grad_reduce=args.grad_reduce,
                                sequence_parallel=not args.no_sequence_parallel, schedule=args.schedule,
-                               pipeline_split=args.pipeline_split,
+                               pipeline_split=args.pipeline_split, framework=args.framework,
+                               eager_norms=args.eager_norms,
                                bucket_bytes=None if args.bucket_mb == "megatron" else float(args.bucket_mb) * 1e6,
                                layout=_parse_layout(args.layout) if args.layout else None,
                                layouts=not args.data_parallel_only)
@@ -152,6 +153,12 @@ def _advise_parser(sub) -> argparse.ArgumentParser:
     adv.add_argument("--grad-reduce", choices=("fp32", "bf16", "fp16"), default="fp32",
                      help="format of the gradients the data-parallel collectives send (default fp32: DDP under "
                      "autocast, Megatron-LM, torchtitan; bf16: DeepSpeed's default)")
+    adv.add_argument("--framework", choices=("pytorch", "megatron", "deepspeed", "megatron-deepspeed"),
+                     default="pytorch", help="whose code trains: how model states, the loss and buffers are kept "
+                     "(default pytorch: DDP, FSDP, torchtitan, Hugging Face)")
+    adv.add_argument("--eager-norms", action="store_true",
+                     help="the model's RMSNorm upcasts to fp32 in eager PyTorch (Hugging Face's Llama): an fp32 copy "
+                     "of each norm's input is kept for backward")
     adv.add_argument("--no-sequence-parallel", action="store_true",
                      help="tensor parallelism without sequence parallelism: norms, dropouts and layer inputs stay "
                      "whole on every TP rank (Megatron-LM without --sequence-parallel)")
