@@ -66,9 +66,15 @@ def test_overlap_hides_ddps_all_reduce_behind_the_last_micro_batch_only():
 def test_recomputation_costs_compute():
     base = {m: price(Layout(dp=16, zero=3), recompute=m) for m in formulas.RECOMPUTE}
     f = formulas.training_flops(2048, SEVEN, 2048, "full", 7e9)
-    assert base["full"]["seconds"]["compute"] / base["none"]["seconds"]["compute"] == pytest.approx(
+    # full recomputation runs the layers' forward again: the FLOPs' ratio where every kernel runs at one rate ...
+    flat = {m: price(Layout(dp=16, zero=3), recompute=m, efficiency=0.5) for m in ("none", "full")}
+    assert flat["full"]["seconds"]["compute"] / flat["none"]["seconds"]["compute"] == pytest.approx(
         f.hardware / f.model)
     assert 1.25 < f.hardware / f.model < 1.34                        # about one more forward pass of the layers
+    # ... and about that with each kernel at its own rate (the output layer and the loss are not recomputed)
+    assert base["full"]["seconds"]["recompute"] == pytest.approx(
+        base["full"]["seconds"]["compute"] - base["none"]["seconds"]["compute"])
+    assert 1.2 < base["full"]["seconds"]["compute"] / base["none"]["seconds"]["compute"] < 1.34
     # with a fused attention kernel (the default) selective recomputation has nothing to recompute: it costs nothing
     # and saves nothing (issue 41 item 3); per-operator recomputation repeats half the matrix products
     assert base["none"]["seconds"]["compute"] == base["selective"]["seconds"]["compute"] < \

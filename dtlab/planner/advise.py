@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtlab.planner import cost as costs
-from dtlab.planner import formulas, hardware
+from dtlab.planner import formulas, hardware, kernels
 from dtlab.planner.cost import PRECISIONS, Layout, LayoutError, Setup
 from dtlab.planner.formulas import ModelShape
 
@@ -92,10 +92,12 @@ class Advice:
                  f"({c['usable_bytes'] / 1e9:.1f} GB usable: {s['headroom']:.0%} kept free; 'tight' is inside that "
                  "headroom: it may run)",
                  "GB = 10^9 bytes per GPU; step in seconds" + (
-                     f"; compute at {s['efficiency']:.0%} of peak ({s['efficiency_source']}); gradients reduced in "
-                     f"{s.get('grad_reduce', 'fp32')}" if self.timed else " (not computed: see below)"),
-                 f"{'strategy':<48}{'params':>7}{'grads':>7}{'optim':>7}{'activ':>7}{'other':>7}{'total':>7}"
-                 f"{'host':>7}  fits {'step':>8}{'tokens/s':>10}{'MFU':>6}  evidence"]
+                     f"; compute {_compute_text(s)}; gradients reduced in {s.get('grad_reduce', 'fp32')}"
+                     if self.timed else " (not computed: see below)")
+                 + f"; memory as {s.get('framework', 'pytorch')} keeps it at the step's peak, with the CUDA context "
+                   "and NCCL ('runtime')",
+                 f"{'strategy':<48}{'params':>7}{'grads':>7}{'optim':>7}{'activ':>7}{'loss':>7}{'buffer':>7}"
+                 f"{'runtm':>7}{'total':>7}{'host':>7}  fits {'step':>8}{'tokens/s':>10}{'MFU':>6}  evidence"]
         data = [r for r in self.priced if r["layout"]["tp"] == r["layout"]["pp"] == r["layout"]["cp"] == 1]
         hsdp = [r for r in data if r["layout"]["hsdp"]]
         data = [r for r in data if r not in hsdp]
@@ -115,7 +117,7 @@ class Advice:
                     if r["step_seconds"] else "")
             lines.append(f"{r['strategy'][:47]:<48}" + "".join(f"{mem[k] / 1e9:7.1f}" for k in
                                                              ("params", "grads", "optimizer", "activations",
-                                                              "buffers", "total"))
+                                                              "loss", "buffers", "runtime", "total"))
                          + f"{r['cpu_bytes'] / 1e9:7.1f}  {_FITS[r['fit']]}{step:<32}"
                          + (f"  {families[r['evidence']['family']]}" if r.get("evidence") else ""))
         hidden = len(composed) + len(hsdp) - (len(shown) - len(data))
@@ -130,6 +132,9 @@ class Advice:
             for family, letter in families.items():
                 lines.append(textwrap.fill(f"{letter} {family}: {evidence[family]['text']}", 110,
                                            subsequent_indent="    "))
+                if evidence[family].get("memory"):
+                    lines.append(textwrap.fill(f"  {evidence[family]['memory']['text']}", 110,
+                                               subsequent_indent="    "))
         rec = self.recommendation
         lines.append(textwrap.fill(f"Recommendation: {rec['strategy']} - {rec['reason']}" if rec else
                                    "Recommendation: none - " + nothing_fits(self), 110, subsequent_indent="  "))
@@ -244,6 +249,12 @@ def candidate_layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len:
     return out
 
 
+def _compute_text(s: dict[str, Any]) -> str:
+    if s["efficiency"] is not None:
+        return f"at {s['efficiency']:.0%} of peak ({s['efficiency_source']})"
+    return f"from the kernels' measured rates (dtlab.planner.kernels) x overhead {s['overhead']:.2f}"
+
+
 def _optimizer_bytes(adam_bytes: float, precision: str, stage: int, optimizer: str,
                      framework: str = "pytorch") -> float:
     """Optimizer-state bytes for ``optimizer``, from Adam's (``memory.states_per_param`` counts Adam)."""
@@ -304,7 +315,7 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
            flash_attention: bool = True, layout: Layout | dict | None = None, layouts: bool = True,
            grad_reduce: str = "fp32", sequence_parallel: bool = True, schedule: str = "1f1b",
            bucket_bytes: float | None = costs.BUCKET_BYTES, pipeline_split: str = "even",
-           framework: str = "pytorch", eager_norms: bool = False) -> Advice:
+           framework: str = "pytorch", eager_norms: bool = False, overhead: float | None = None) -> Advice:
     """Price every strategy for a model on a cluster and recommend one; see the module's help.
 
     Args:
@@ -319,8 +330,10 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
             sequences per optimizer step (default: at least 512, a multiple of micro_batch x GPUs).
         precision: "bf16", "fp16" (mixed precision) or "fp32". optimizer: "adam" or "sgd" (momentum).
         recompute: activation recomputation, "none", "selective" or "full" (costs compute: ``formulas``).
-        efficiency: the fraction of the GPU's peak FLOP/s its kernels reach while computing (default:
-            ``cost.efficiency_for`` the GPU, fitted to published runs); MFU is the result, not this.
+        efficiency: one fraction of the GPU's peak FLOP/s for every kernel; by default (None) each kernel is
+            priced at its measured rate (``dtlab.planner.kernels``: matrix products by shape, attention by sequence,
+            memory-bound kernels by bandwidth) times ``overhead`` (default ``cost.KERNEL_OVERHEAD``, fitted to
+            published runs). MFU is the result, not this.
         headroom: the share of GPU and host memory left free (``formulas.HEADROOM``).
         flash_attention: a fused attention kernel that keeps no sequence x sequence scores (PyTorch's SDPA on a
             GPU, FlashAttention); False prices eager attention's memory (``formulas.layer_activation_bytes``).
@@ -369,9 +382,13 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
     if micro_batch > global_batch:
         raise ValueError(f"micro_batch={micro_batch} is larger than global_batch={global_batch}. Fix: a micro-batch "
                          f"of at most {global_batch} sequences")
-    eff, eff_source = (efficiency, "given") if efficiency is not None else costs.efficiency_for(c.gpu)
+    eff = efficiency
+    eff_source = "given" if efficiency is not None else (
+        f"each kernel at its measured rate on the {c.gpu.name} ("
+        f"{kernels.rates_for(c.gpu.name, c.gpu.bf16_tflops or c.gpu.fp16_tflops).source}) x the overhead fitted "
+        "to published runs")
     setup = Setup(global_batch, micro_batch, seq_len, recompute, precision, eff, flash_attention, grad_reduce,
-                  sequence_parallel, schedule, bucket_bytes, pipeline_split, framework, eager_norms)
+                  sequence_parallel, schedule, bucket_bytes, pipeline_split, framework, eager_norms, overhead)
     timed = costs.can_time(c, precision)
 
     if layout is not None:
@@ -392,12 +409,12 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
         if layouts:
             candidates += candidate_layouts(shape, g, c.node.gpus, seq_len)
     rows = [_row(num_params, shape, lay, c, setup, optimizer, headroom) for lay in candidates]
-    from dtlab.planner import published  # it prices its runs with advise: imported here, not at the top
+    from dtlab.planner import memory_record, published  # they price their runs with advise: imported here
     for r in rows:
         lay = r["layout"]
-        r["evidence"] = published.evidence(
-            published.family_of(lay["tp"], lay["pp"], lay["cp"], lay["zero"], r["offload"]["optimizer"]),
-            num_params, g, c.gpu.name)
+        family = published.family_of(lay["tp"], lay["pp"], lay["cp"], lay["zero"], r["offload"]["optimizer"])
+        r["evidence"] = published.evidence(family, num_params, g, c.gpu.name)
+        r["evidence"]["memory"] = memory_record.nearest(num_params, g, family)
     usable = c.gpu.memory_bytes * (1 - headroom)
     advice = Advice(model={"params": num_params, "shape": shape.describe(), "n_layer": shape.n_layer,
                            "n_embd": shape.n_embd, "n_head": shape.n_head, "n_kv_head": shape.n_kv_head,
@@ -405,6 +422,7 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
                     setup={"micro_batch": micro_batch, "seq_len": seq_len, "global_batch": global_batch,
                            "precision": precision, "optimizer": optimizer, "recompute": recompute,
                            "efficiency": eff, "efficiency_source": eff_source, "headroom": headroom,
+                           "overhead": overhead if overhead is not None else costs.KERNEL_OVERHEAD,
                            "flash_attention": flash_attention, "grad_reduce": grad_reduce,
                            "sequence_parallel": sequence_parallel, "schedule": schedule, "bucket_bytes": bucket_bytes,
                            "pipeline_split": pipeline_split, "framework": framework, "eager_norms": eager_norms},

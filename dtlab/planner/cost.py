@@ -61,12 +61,20 @@ from dataclasses import dataclass
 from dtlab.planner import formulas, hardware
 from dtlab.planner.formulas import ModelShape, ring_factor
 
-#: Fraction of the GPU's peak FLOP/s the step's kernels reach while computing (not waiting), by GPU: for each,
-#: the median over the published runs on it (``dtlab/planner/published_runs.json``) of the value at which this
-#: model reproduces the run (``published.fitted_efficiency``; tests/test_published_runs.py recomputes them).
+#: The one-rate model (what the planner used before it priced each kernel at its measured rate, and what a given
+#: ``Setup.efficiency`` selects): the fraction of the GPU's peak FLOP/s every kernel reaches, by GPU, the median over
+#: the published runs on it of the value at which it reproduces each (``published.median_efficiencies``;
+#: tests/test_published_runs.py recomputes them). Notebook 14 prices a layer by hand with it.
 EFFICIENCY = {"A100": 0.58, "H100": 0.59}
 #: For a GPU without published runs here (the course's A10G, T4, V100): the median over every run.
 DEFAULT_EFFICIENCY = 0.58
+
+
+def kernels_for(name: str, gpu: hardware.GPU):
+    """The measured kernel rates the planner prices ``gpu`` (called ``name``) with (``dtlab.planner.kernels``)."""
+    from dtlab.planner import kernels
+
+    return kernels.rates_for(name, gpu.bf16_tflops or gpu.fp16_tflops)
 
 
 def efficiency_for(gpu: hardware.GPU) -> tuple[float, str]:
@@ -382,6 +390,7 @@ class Setup:
     pipeline_split: str = "even"
     framework: str = "pytorch"
     eager_norms: bool = False
+    overhead: float | None = None
 
     @property
     def value_bytes(self) -> int:
@@ -497,6 +506,62 @@ def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
     return busiest
 
 
+#: What the kernel model leaves out of a step's compute (launch gaps, the optimizer, kernels it does not list), as a
+#: factor on its time: the median over the published runs' sources of the factor at which it reproduces each run
+#: (``published.fitted_overhead``; tests/test_published_runs.py recomputes it and holds every run out by source and by
+#: framework family).
+KERNEL_OVERHEAD = 1.10
+#: How much of the communication it hides the compute gives back: NCCL's kernels run on the same streaming
+#: multiprocessors and memory as the matrix products they overlap.
+OVERLAP_SLOWDOWN = 0.0
+
+
+def kernel_seconds(shape: ModelShape, layout: Layout, setup: Setup, gpu_name: str, peak: float) -> dict[str, float]:
+    """One micro-batch's compute on the slowest pipeline stage, from the kernels' measured rates
+    (``dtlab.planner.kernels``): each matrix product at the efficiency of its shape, attention at FlashAttention's
+    (or eager attention's) rate for the sequence, the memory-bound kernels at the memory's bandwidth, all times
+    ``Setup.overhead`` (``KERNEL_OVERHEAD`` when None). Returns ``forward``, ``backward`` (with what it recomputes),
+    ``recompute``, ``attention_forward`` (one layer's attention forward, what ring attention hides a hop behind),
+    and ``layers`` (the slowest stage's)."""
+    from dtlab.planner import kernels
+
+    rates = kernels.rates_for(gpu_name, peak / 1e12)
+    t, seq = layout.tp, setup.seq_len
+    tokens = setup.micro_batch * seq / layout.cp
+    h = shape.n_embd
+    kv = (shape.n_kv_head or shape.n_head) * shape.head_dim
+    f = shape.ffn or 4 * h
+
+    def gemm(flops: float, d: float) -> float:
+        return flops / (kernels.gemm_efficiency(rates, d, tokens) * peak)
+    layer_fwd = (gemm(2 * tokens * h * (h + 2 * kv) / t, min(h, (h + 2 * kv) / t)) + gemm(2 * tokens * h * h / t, h / t)
+                 + gemm(2 * tokens * h * f * (2 if shape.gated else 1) / t, min(h, f / t))
+                 + gemm(2 * tokens * f * h / t, min(f / t, h)))
+    # attention as FlashAttention counts it: the causal half of 4 s d per head and token forward, 2.5x that backward
+    attn_flops = 0.5 * 4.0 * tokens * seq * h / t
+    attn = 3.5 * attn_flops / kernels.attention_flops_per_second(rates, seq, setup.flash_attention)
+    split = 1 / t if (setup.sequence_parallel or t == 1) else 0.5 + 0.5 / t
+    mem = kernels.KERNEL_BYTES[setup.framework] * tokens * h * split / (rates.hbm_gbs * 1e9)
+    layer_f = layer_fwd + attn / 3.5 + mem / 3                       # one layer's forward
+    layer_b = 2 * layer_fwd + attn * 2.5 / 3.5 + mem * 2 / 3         # ... and its backward
+    extra = {"none": 0.0, "op": layer_fwd / 2, "full": layer_f,
+             "selective": 0.0 if setup.flash_attention else attn / 3.5}[setup.recompute]
+    v = shape.vocab or 0
+    head_f = gemm(2 * tokens * v * h / t, min(h, v / t)) if v else 0.0
+    loss = 20.0 * tokens * v / t / (rates.hbm_gbs * 1e9)               # the cross-entropy's passes over the logits
+    splits = stage_layers(shape.n_layer, layout.pp, setup.pipeline_split) if layout.pp > 1 else [shape.n_layer]
+    times = [n * (layer_f + layer_b + extra) + (3 * head_f + loss if s == len(splits) - 1 else 0.0)
+             for s, n in enumerate(splits)]
+    slowest = max(range(len(splits)), key=lambda s: times[s])
+    n, last = splits[slowest], slowest == len(splits) - 1
+    factor = setup.overhead if setup.overhead is not None else KERNEL_OVERHEAD
+    forward = (n * layer_f + (head_f + loss / 3 if last else 0.0)) * factor
+    recompute = n * extra * factor
+    backward = (n * layer_b + (2 * head_f + 2 * loss / 3 if last else 0.0)) * factor + recompute
+    return {"forward": forward, "backward": backward, "recompute": recompute,
+            "attention_forward": attn / 3.5 * factor, "layers": n}
+
+
 def traffic(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
             micro_batches: int) -> dict[str, dict[str, float]]:
     """Bytes per GPU per step of each collective, by dimension: ``{"dp": {"all_reduce": ..., ...}, ...}``.
@@ -590,14 +655,21 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
 
     # compute of one micro-batch on this GPU (the busiest pipeline stage)
     peak = c.gpu.peak_flops(setup.precision)
-    rate = (setup.efficiency or efficiency_for(c.gpu)[0]) * peak
-    tokens = setup.micro_batch * setup.seq_len
-    f = formulas.training_flops(tokens, shape, setup.seq_len, setup.recompute, num_params, setup.flash_attention)
     layers = busiest_layers(shape, layout, setup)          # the busiest stage's: it sets the pipeline's pace
-    share = layers / shape.n_layer / (layout.tp * layout.cp)
-    fwd = f.forward * share / rate
-    recompute = f.recomputed * share / rate
-    bwd = 2 * fwd + recompute                              # backward, with what it recomputes
+    if setup.efficiency is not None:                       # one given fraction of peak for every kernel
+        rate = setup.efficiency * peak
+        tokens = setup.micro_batch * setup.seq_len
+        f = formulas.training_flops(tokens, shape, setup.seq_len, setup.recompute, num_params, setup.flash_attention)
+        share = layers / shape.n_layer / (layout.tp * layout.cp)
+        fwd = f.forward * share / rate
+        recompute = f.recomputed * share / rate
+        bwd = 2 * fwd + recompute                          # backward, with what it recomputes
+        attention_s = 4.0 * (setup.micro_batch * setup.seq_len / layout.cp) * setup.seq_len * shape.n_embd \
+            / layout.tp / rate
+    else:                                                  # each kernel at its measured rate (dtlab.planner.kernels)
+        k = kernel_seconds(shape, layout, setup, c.gpu.name, peak)
+        fwd, bwd, recompute, attention_s = k["forward"], k["backward"], k["recompute"], k["attention_forward"]
+        layers = k["layers"]
     per_mb = fwd + bwd
 
     spread_ = spread(layout, c.node.gpus)
@@ -650,10 +722,9 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
         cp_total = p2p_seconds(flows["cp"]["send"], members, nodes, c)
         # Ring attention sends the next K/V block while it computes with the current one (notebook 16 measures
         # the overlap): cp - 1 of each layer's cp attention chunks, forward and backward, can hide the transfers.
-        attention = 4.0 * (setup.micro_batch * setup.seq_len / layout.cp) * setup.seq_len * shape.n_embd / layout.tp
         passes = 3 + (1 if setup.recompute == "full" or (setup.recompute == "selective" and not setup.flash_attention)
                       else 0)
-        hideable = m * layers * passes * attention * (layout.cp - 1) / layout.cp / rate
+        hideable = m * layers * passes * attention_s * (layout.cp - 1) / layout.cp
         cp_s = max(0.0, cp_total - hideable)
     pp_s = 0.0
     if layout.pp > 1:
@@ -669,7 +740,10 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
         if layout.offload_params:  # this GPU's parameter shard comes up for every forward and backward
             offload += m * 2 * setup.value_bytes * shard / (PCIE_GBS * 1e9)
 
-    compute = m * per_mb
+    hidden = dp_total - dp_exposed + cp_total - cp_s
+    # communication hidden behind compute still takes the GPU's streaming multiprocessors and memory bandwidth from it
+    contention = OVERLAP_SLOWDOWN * hidden if setup.efficiency is None else 0.0
+    compute = m * per_mb + contention
     pipelined = compute + tp_s + cp_s + pp_s
     bubble_share = (layout.pp - 1) / (layout.virtual * m + layout.pp - 1) if layout.pp > 1 else 0.0
     bubble = pipelined * bubble_share / (1 - bubble_share)
@@ -680,7 +754,7 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
                                     setup.flash_attention)
     return {**base, "bytes_sent": bytes_sent(flows, layout),
             "seconds": {"compute": compute, "recompute": m * recompute, "comm_exposed": exposed,
-                        "comm_hidden": dp_total - dp_exposed + cp_total - cp_s, "bubble": bubble, "offload": offload,
+                        "comm_hidden": hidden, "bubble": bubble, "offload": offload,
                         "total": total,
                         "by_dimension": {"dp": dp_exposed, "tp": tp_s, "cp": cp_s, "pp": pp_s}},
             "tokens_per_second": step_tokens / total,

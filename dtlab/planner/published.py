@@ -90,13 +90,18 @@ class Run:
         """Why this run is left out of ``check`` ("throughput" or "fits"), or None when it is not."""
         return self.record.get("exempt", {}).get(check)
 
-    def setup(self, efficiency: float | None = None) -> cost.Setup:
+    @property
+    def framework(self) -> str:
+        """Whose code trained the run (``cost.Setup.framework``): the family a held-out check leaves out whole."""
+        return self.record["setup"].get("framework", "pytorch")
+
+    def setup(self, efficiency: float | None = None, overhead: float | None = None) -> cost.Setup:
         s = self.record["setup"]
         return cost.Setup(s["global_batch"], s["micro_batch"], s["seq_len"], s["recompute"], s["precision"],
                           efficiency, s["flash_attention"], s.get("grad_reduce", "fp32"),
                           s.get("sequence_parallel", True), s.get("schedule", "1f1b"),
                           s.get("bucket_bytes", cost.BUCKET_BYTES), s.get("pipeline_split", "even"),
-                          s.get("framework", "pytorch"))
+                          self.framework, s.get("eager_norms", False), overhead)
 
     def layouts(self) -> list[cost.Layout]:
         """The run's layout; where the source gives only TP x PP (``model_parallel``), every split of it with TP
@@ -121,8 +126,8 @@ class Run:
         tflops = m.get("tflops_per_gpu") or m["mfu"] * c["peak_tflops"]
         return tflops * 1e12 / FLOPS_FORMULAS[m["flops_formula"]](self.shape, s["seq_len"], self.params)
 
-    def price(self, layout: cost.Layout, efficiency: float | None = None) -> dict:
-        return cost.cost(self.params, layout, self.cluster, self.setup(efficiency), self.shape)
+    def price(self, layout: cost.Layout, efficiency: float | None = None, overhead: float | None = None) -> dict:
+        return cost.cost(self.params, layout, self.cluster, self.setup(efficiency, overhead), self.shape)
 
 
 @functools.lru_cache(maxsize=1)
@@ -143,7 +148,8 @@ def run(name: str) -> Run:
     raise KeyError(f"no published run {name!r}; known: {', '.join(r.name for r in runs())}")
 
 
-def compare(r: Run, efficiency: float | None = None, alternatives: bool = True) -> dict[str, Any]:
+def compare(r: Run, efficiency: float | None = None, alternatives: bool = True,
+            overhead: float | None = None) -> dict[str, Any]:
     """The prediction for ``r``'s layout beside its measurement, and the model's best alternative layout.
 
     Returns ``name``, ``layout`` (the one priced), ``fits``, ``fit`` (``cost.fit_state``), ``memory_gb`` (per GPU),
@@ -154,7 +160,7 @@ def compare(r: Run, efficiency: float | None = None, alternatives: bool = True) 
     ``best_other`` (the fastest other layout that fits, by the model, at the run's batch and micro-batch)
     and ``best_other_ratio`` (its predicted speed over the run's layout's).
     """
-    priced = [r.price(lay, efficiency) for lay in r.layouts()]
+    priced = [r.price(lay, efficiency, overhead) for lay in r.layouts()]
     mine = max(priced, key=lambda p: p["tokens_per_second"])
     gpus = r.record["cluster"]["gpus"]
     out = {"name": r.name, "layout": mine["layout"], "fits": mine["fits"], "fit": mine["fit"],
@@ -166,12 +172,13 @@ def compare(r: Run, efficiency: float | None = None, alternatives: bool = True) 
     out["split"] = ("the source's" if mp is None else
                     f"not stated: the source gives only TP x PP = {mp}; priced at the split the model rates fastest")
     if alternatives:
-        s = r.setup(efficiency)
+        s = r.setup(efficiency, overhead)
         others = advise.advise(r.params, shape=r.shape, cluster=r.cluster, micro_batch=s.micro_batch,
                                seq_len=s.seq_len, global_batch=s.global_batch, precision=s.precision,
                                grad_reduce=s.grad_reduce, sequence_parallel=s.sequence_parallel,
                                schedule=s.schedule, bucket_bytes=s.bucket_bytes, pipeline_split=s.pipeline_split,
-                               recompute=s.recompute, efficiency=efficiency, flash_attention=s.flash_attention)
+                               recompute=s.recompute, efficiency=efficiency, flash_attention=s.flash_attention,
+                               framework=s.framework, eager_norms=s.eager_norms, overhead=overhead)
         fitting = [row for row in others.priced if row["fits"] is True and row["strategy"] != mine["layout"]]
         best = max(fitting, key=lambda row: row["tokens_per_second"], default=None)
         out["best_other"] = best["strategy"] if best else None
@@ -180,7 +187,8 @@ def compare(r: Run, efficiency: float | None = None, alternatives: bool = True) 
 
 
 def fitted_efficiency(r: Run) -> float:
-    """The ``efficiency`` at which the model predicts ``r``'s measured throughput exactly (bisection)."""
+    """The one ``efficiency`` (fraction of peak for every kernel) at which the model predicts ``r``'s measured
+    throughput exactly (bisection): what the planner used before its kernels were priced each at its own rate."""
     low, high = 0.05, 1.0
     for _ in range(40):
         mid = (low + high) / 2
@@ -191,70 +199,106 @@ def fitted_efficiency(r: Run) -> float:
     return (low + high) / 2
 
 
+def median_efficiencies() -> tuple[dict[str, float], float]:
+    """The medians of ``fitted_efficiency`` by GPU family, and over every checked run: where ``cost.EFFICIENCY`` and
+    ``cost.DEFAULT_EFFICIENCY`` (the one-rate model a given ``efficiency`` selects) come from."""
+    by: dict[str, list[float]] = {}
+    for r in runs():
+        if not r.exempt("throughput"):
+            by.setdefault(r.family, []).append(fitted_efficiency(r))
+    return ({k: statistics.median(v) for k, v in by.items()}, statistics.median([e for v in by.values() for e in v]))
+
+
+def fitted_overhead(r: Run) -> float:
+    """The ``Setup.overhead`` (a factor on the kernels' measured time, ``cost.kernel_seconds``) at which the model
+    predicts ``r``'s measured throughput exactly (bisection in log space)."""
+    low, high = math.log(0.2), math.log(5.0)
+    for _ in range(40):
+        mid = (low + high) / 2
+        if compare(r, alternatives=False, overhead=math.exp(mid))["ratio"] > 1:
+            low = mid
+        else:
+            high = mid
+    return math.exp((low + high) / 2)
+
+
 def source_of(r: Run) -> str:
     """The source a run comes from (its paper or page): the unit ``held_out`` leaves out as a whole."""
     return r.record["source"]["title"]
 
 
 @functools.cache
-def fitted_runs() -> dict[str, tuple[str, str, float]]:
-    """``fitted_efficiency`` of every run whose throughput is checked: name -> (GPU family, source, efficiency)."""
-    return {r.name: (r.family, source_of(r), fitted_efficiency(r)) for r in runs() if not r.exempt("throughput")}
+def fitted_runs() -> dict[str, tuple[str, str, str, float]]:
+    """``fitted_overhead`` of every run whose throughput is checked: name -> (GPU family, source, framework,
+    overhead)."""
+    return {r.name: (r.family, source_of(r), r.framework, fitted_overhead(r)) for r in runs()
+            if not r.exempt("throughput")}
 
 
-def fitted_efficiencies() -> dict[str, list[float]]:
-    """``fitted_efficiency`` of every run whose throughput is checked, by GPU family."""
-    out: dict[str, list[float]] = {}
-    for family, _, value in fitted_runs().values():
-        out.setdefault(family, []).append(value)
-    return out
+def pooled_overhead(fitted: list[tuple[str, float]]) -> float:
+    """The median over sources of each source's median overhead, from ``(source, overhead)`` pairs: every source
+    weighs the same, however many runs it published."""
+    by: dict[str, list[float]] = {}
+    for source, value in fitted:
+        by.setdefault(source, []).append(value)
+    return statistics.median(statistics.median(v) for v in by.values())
 
 
-def median_efficiencies() -> tuple[dict[str, float], float]:
-    """The medians of ``fitted_efficiencies`` by GPU family, and over every run: where ``cost.EFFICIENCY`` and
-    ``cost.DEFAULT_EFFICIENCY`` come from."""
-    fitted = fitted_efficiencies()
-    return ({k: statistics.median(v) for k, v in fitted.items()},
-            statistics.median([e for v in fitted.values() for e in v]))
+def median_overhead() -> float:
+    """``pooled_overhead`` over every checked run: where ``cost.KERNEL_OVERHEAD`` comes from."""
+    return pooled_overhead([(source, value) for _, source, _, value in fitted_runs().values()])
+
+
+#: What ``held_out`` can leave out: the run's whole source, its framework family, or the run alone.
+HELD_OUT_BY = ("source", "framework", "run")
 
 
 def held_out(r: Run, by: str = "source") -> dict[str, Any]:
-    """``compare(r)`` with the efficiency fitted to runs ``r`` took no part in: with ``by="source"`` (the default)
-    every run of *other* sources (a paper's or a page's runs share its code, cluster and way of measuring, so they
-    are left out together), with ``by="run"`` every other run; the median of those on ``r``'s GPU family, or of all
-    of them when none is on it. The returned dict adds ``efficiency`` (the one used) and ``pool`` (how many runs
-    it is the median of, and whether they are of the same GPU family)."""
-    if by not in ("source", "run"):
-        raise ValueError(f"by={by!r}: 'source' (leave the run's whole source out) or 'run'")
-    others = [(family, value) for name, (family, source, value) in fitted_runs().items()
-              if name != r.name and (by == "run" or source != source_of(r))]
-    same = [v for f, v in others if f == r.family]
-    pool = same or [v for _, v in others]
-    out = compare(r, statistics.median(pool), alternatives=False)
-    out.update(efficiency=statistics.median(pool), pool={"runs": len(pool), "same_gpu": bool(same)})
+    """``compare(r)`` with the kernel overhead fitted to runs ``r`` took no part in: with ``by="source"`` (the
+    default) the runs of every *other* source (a paper's or a page's runs share its code, cluster and way of
+    measuring, so they are left out together); with ``by="framework"`` the runs of every other framework family
+    (Megatron-LM, Megatron-DeepSpeed, PyTorch: a family's kernels are priced from the others' runs alone); with
+    ``by="run"`` every other run. The overhead is ``pooled_overhead`` of those. The returned dict adds ``overhead``
+    (the one used) and ``pool`` (how many runs and sources it comes from)."""
+    if by not in HELD_OUT_BY:
+        raise ValueError(f"by={by!r}: one of {', '.join(map(repr, HELD_OUT_BY))}")
+    others = [(source, value) for name, (_, source, framework, value) in fitted_runs().items()
+              if name != r.name and (by == "run" or (by == "source" and source != source_of(r))
+                                     or (by == "framework" and framework != r.framework))]
+    value = pooled_overhead(others)
+    out = compare(r, alternatives=False, overhead=value)
+    out.update(overhead=value, pool={"runs": len(others), "sources": len({s for s, _ in others})})
     return out
 
 
-def leave_one_source_out() -> list[dict[str, Any]]:
-    """For each source of checked runs: its runs' ``held_out`` ratios with every run of that source left out of
-    the fit, their median and the worst (furthest from 1), and whether the efficiency came from the same GPU."""
-    by_source: dict[str, list[dict[str, Any]]] = {}
+def leave_one_out(by: str = "source") -> list[dict[str, Any]]:
+    """For each source (``by="source"``) or framework family (``by="framework"``) of checked runs: its runs'
+    ``held_out`` ratios with every run of it left out of the fit, their median and the worst (furthest from 1), how
+    many are within 35%, and the overhead they were priced with."""
+    groups: dict[str, list[dict[str, Any]]] = {}
     for r in runs():
         if not r.exempt("throughput"):
-            by_source.setdefault(source_of(r), []).append(held_out(r))
-    return [{"source": source, "runs": len(rows), "median_ratio": statistics.median(x["ratio"] for x in rows),
+            groups.setdefault(source_of(r) if by == "source" else r.framework, []).append(held_out(r, by))
+    return [{by: key, "runs": len(rows), "median_ratio": statistics.median(x["ratio"] for x in rows),
              "worst_ratio": max((x["ratio"] for x in rows), key=lambda v: abs(math.log(v))),
-             "same_gpu": all(x["pool"]["same_gpu"] for x in rows)} for source, rows in by_source.items()]
+             "within": sum(1 for x in rows if abs(math.log(x["ratio"])) <= math.log(1.35)),
+             "overhead": statistics.median(x["overhead"] for x in rows)} for key, rows in groups.items()]
 
 
-def format_sources(rows: list[dict[str, Any]] | None = None) -> str:
-    """``leave_one_source_out`` as a Markdown table (what the README shows)."""
-    rows = rows if rows is not None else leave_one_source_out()
-    lines = ["| source (left out of the fit) | runs | median predicted / measured | furthest from 1 | fitted on the "
-             "same GPU |", "|---|---:|---:|---:|---|"]
+def leave_one_source_out() -> list[dict[str, Any]]:
+    """``leave_one_out("source")``."""
+    return leave_one_out("source")
+
+
+def format_sources(rows: list[dict[str, Any]] | None = None, by: str = "source") -> str:
+    """``leave_one_out(by)`` as a Markdown table (what the README shows, by source and by framework family)."""
+    rows = rows if rows is not None else leave_one_out(by)
+    what = "source" if by == "source" else "framework family"
+    lines = [f"| {what} (left out of the fit) | runs | median predicted / measured | furthest from 1 | within 35% | "
+             "overhead used |", "|---|---:|---:|---:|---:|---:|"]
     for row in rows:
-        lines.append(f"| {row['source']} | {row['runs']} | {row['median_ratio']:.2f} | {row['worst_ratio']:.2f} | "
-                     f"{'yes' if row['same_gpu'] else 'no: the median of every other run'} |")
+        lines.append(f"| {row[by]} | {row['runs']} | {row['median_ratio']:.2f} | {row['worst_ratio']:.2f} | "
+                     f"{row['within']} of {row['runs']} | {row['overhead']:.2f} |")
     return "\n".join(lines)
 
 
