@@ -26,7 +26,8 @@ def main() -> None:
     from dtlab.planner import memory_record, published
 
     text = README.read_text()
-    for table in (published.format_sources(), published.format_sources(by="framework"), published.format_table(),
+    for table in (published.format_sources(), published.format_sources(by="framework"), published.format_benchmarks(),
+                  published.format_table(),
                   memory_record.format_sources()):
         text = replace_table(text, table.split("\n")[0], table)
     README.write_text(text)

@@ -371,6 +371,12 @@ class Setup:
     * ``eager_norms``: the model's RMSNorm is eager PyTorch that upcasts to fp32 (Hugging Face's Llama, Mistral,
       Qwen): each norm keeps an fp32 copy of its input for backward. False for fused norms (Megatron-LM, Apex,
       torch.compile) and for LayerNorm, which PyTorch computes in one kernel.
+    * ``fused_loss``: a fused cross-entropy (flash-attn's ``CrossEntropyLoss``, Liger's, Apple's cut cross-entropy;
+      llm-foundry's ``fused_crossentropy``) that works on the 16-bit logits in place: the loss holds
+      ``memory.FUSED_LOSS_BYTES`` per logit instead of the framework's own. Megatron-LM's is fused already.
+    * ``attention_kernel``: which fused attention kernel runs, for its speed (``kernels.ATTENTION_KERNELS``):
+      "flash2" (FlashAttention-2, PyTorch's SDPA on recent GPUs; the default), "flash1" or "triton" (the Triton
+      FlashAttention llm-foundry's MPT benchmarks ran, with ALiBi). Ignored without ``flash_attention``.
     * ``pipeline_split``: how the layers are shared out among pipeline stages (``stage_layers``): "even" (as equal
       as they go, the first stages taking one more) or "lighter_ends" (the first and last stages one layer fewer,
       as Llama 3's schedule does, to make room for what those stages hold besides their layers).
@@ -391,6 +397,8 @@ class Setup:
     framework: str = "pytorch"
     eager_norms: bool = False
     overhead: float | None = None
+    fused_loss: bool = False
+    attention_kernel: str = "flash2"
 
     @property
     def value_bytes(self) -> int:
@@ -409,6 +417,9 @@ class Setup:
         if self.framework not in FRAMEWORKS:
             raise ValueError(f"framework={self.framework!r}: use one of {', '.join(FRAMEWORKS)} (pytorch: DDP, FSDP, "
                              "torchtitan, Hugging Face; megatron: Megatron-LM; deepspeed; megatron-deepspeed)")
+        from dtlab.planner.kernels import ATTENTION_KERNELS
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel={self.attention_kernel!r}: use one of {', '.join(ATTENTION_KERNELS)}")
         if self.grad_reduce not in PRECISIONS:
             raise ValueError(f"grad_reduce={self.grad_reduce!r}: use one of {', '.join(PRECISIONS)} (fp32: what DDP "
                              "under autocast, Megatron-LM and torchtitan send; bf16: DeepSpeed's default)")
@@ -539,7 +550,8 @@ def kernel_seconds(shape: ModelShape, layout: Layout, setup: Setup, gpu_name: st
                  + gemm(2 * tokens * f * h / t, min(f / t, h)))
     # attention as FlashAttention counts it: the causal half of 4 s d per head and token forward, 2.5x that backward
     attn_flops = 0.5 * 4.0 * tokens * seq * h / t
-    attn = 3.5 * attn_flops / kernels.attention_flops_per_second(rates, seq, setup.flash_attention)
+    attn = 3.5 * attn_flops / kernels.attention_flops_per_second(
+        rates, seq, setup.attention_kernel if setup.flash_attention else "eager", shape.head_dim)
     split = 1 / t if (setup.sequence_parallel or t == 1) else 0.5 + 0.5 / t
     mem = kernels.KERNEL_BYTES[setup.framework] * tokens * h * split / (rates.hbm_gbs * 1e9)
     layer_f = layer_fwd + attn / 3.5 + mem / 3                       # one layer's forward

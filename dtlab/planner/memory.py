@@ -68,6 +68,9 @@ FRAMEWORKS = ("pytorch", "megatron", "deepspeed", "megatron-deepspeed")
 #: one fp32 copy beside the 16-bit logits (``_VocabParallelCrossEntropy``: softmax into the same buffer, the
 #: gradient into it again): 6. At long sequences and large vocabularies this is the largest single item.
 LOSS_BYTES = {"pytorch": 12, "deepspeed": 12, "megatron": 6, "megatron-deepspeed": 6}
+#: ... and a fused cross-entropy's (``cost.Setup.fused_loss``): the 16-bit logits and their gradient, written into
+#: the same buffer (flash-attn's ``CrossEntropyLoss(inplace_backward=True)``), with fp32 row statistics: 4.
+FUSED_LOSS_BYTES = 4
 
 #: The CUDA context and the kernels loaded into it, per process. BigScience measured 1271 MiB on a V100 ("cuda
 #: kernels (1271MiB)", tr8-104B chronicles); the OOM messages in measured_memory.json leave 0.9-1.3 GiB of the
@@ -136,9 +139,12 @@ def states_per_param(framework: str, precision: str, stage: int) -> StateBytes:
     return StateBytes(2, 2, 12)            # fp16 (and bf16 without ZeRO): 16-bit gradients
 
 
-def logits_peak_bytes(framework: str, batch: int, seq_len: int, vocab: int | None, tp: int = 1) -> float:
-    """Bytes the loss holds at its peak (``LOSS_BYTES`` per logit), its vocabulary split over ``tp``."""
-    return LOSS_BYTES[framework] * batch * seq_len * (vocab or 0) / tp
+def logits_peak_bytes(framework: str, batch: int, seq_len: int, vocab: int | None, tp: int = 1,
+                      fused: bool = False) -> float:
+    """Bytes the loss holds at its peak (``LOSS_BYTES`` per logit, ``FUSED_LOSS_BYTES`` for a fused cross-entropy),
+    its vocabulary split over ``tp``."""
+    per_logit = min(FUSED_LOSS_BYTES, LOSS_BYTES[framework]) if fused else LOSS_BYTES[framework]
+    return per_logit * batch * seq_len * (vocab or 0) / tp
 
 
 def process_bytes(communicators: int) -> float:
@@ -204,7 +210,7 @@ def stage_peak(*, shape: ModelShape, layout, setup, psi: float, psi_layers: floa
                   "op": layer("none")["total"] - layer("op")["total"], "full": layer("none")["total"]}[setup.recompute]
     n_held = layers * in_flight * interleaved
     activations = replicated * n_held + (per_layer * n_held - replicated * n_held + peak_extra) / layout.tp
-    loss = logits_peak_bytes(fw, b, seq, shape.vocab, layout.tp) if last else 0.0
+    loss = logits_peak_bytes(fw, b, seq, shape.vocab, layout.tp, setup.fused_loss) if last else 0.0
 
     # buffers at the backward peak, and the optimizer step's
     buffers = 0.0

@@ -91,6 +91,12 @@ class Run:
         return self.record.get("exempt", {}).get(check)
 
     @property
+    def benchmark(self) -> str | None:
+        """The benchmark table a run belongs to (held out whole: listed by section, not fitted), or None for the
+        runs chosen one by one."""
+        return self.record.get("table")
+
+    @property
     def framework(self) -> str:
         """Whose code trained the run (``cost.Setup.framework``): the family a held-out check leaves out whole."""
         return self.record["setup"].get("framework", "pytorch")
@@ -101,7 +107,8 @@ class Run:
                           efficiency, s["flash_attention"], s.get("grad_reduce", "fp32"),
                           s.get("sequence_parallel", True), s.get("schedule", "1f1b"),
                           s.get("bucket_bytes", cost.BUCKET_BYTES), s.get("pipeline_split", "even"),
-                          self.framework, s.get("eager_norms", False), overhead)
+                          self.framework, s.get("eager_norms", False), overhead, s.get("fused_loss", False),
+                          s.get("attention_kernel", "flash2"))
 
     def layouts(self) -> list[cost.Layout]:
         """The run's layout; where the source gives only TP x PP (``model_parallel``), every split of it with TP
@@ -204,7 +211,7 @@ def median_efficiencies() -> tuple[dict[str, float], float]:
     ``cost.DEFAULT_EFFICIENCY`` (the one-rate model a given ``efficiency`` selects) come from."""
     by: dict[str, list[float]] = {}
     for r in runs():
-        if not r.exempt("throughput"):
+        if not r.exempt("throughput") and not r.benchmark:
             by.setdefault(r.family, []).append(fitted_efficiency(r))
     return ({k: statistics.median(v) for k, v in by.items()}, statistics.median([e for v in by.values() for e in v]))
 
@@ -232,7 +239,7 @@ def fitted_runs() -> dict[str, tuple[str, str, str, float]]:
     """``fitted_overhead`` of every run whose throughput is checked: name -> (GPU family, source, framework,
     overhead)."""
     return {r.name: (r.family, source_of(r), r.framework, fitted_overhead(r)) for r in runs()
-            if not r.exempt("throughput")}
+            if not r.exempt("throughput") and not r.benchmark}
 
 
 def pooled_overhead(fitted: list[tuple[str, float]]) -> float:
@@ -277,7 +284,7 @@ def leave_one_out(by: str = "source") -> list[dict[str, Any]]:
     many are within 35%, and the overhead they were priced with."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in runs():
-        if not r.exempt("throughput"):
+        if not r.exempt("throughput") and not r.benchmark:
             groups.setdefault(source_of(r) if by == "source" else r.framework, []).append(held_out(r, by))
     return [{by: key, "runs": len(rows), "median_ratio": statistics.median(x["ratio"] for x in rows),
              "worst_ratio": max((x["ratio"] for x in rows), key=lambda v: abs(math.log(v))),
@@ -348,7 +355,7 @@ def evidence(family: str, params: float, gpus: int, gpu: str = "") -> dict[str, 
     run out, or None), ``at_scale`` (parameters within ``SCALE_FACTOR["params"]``
     and GPUs within ``SCALE_FACTOR["gpus"]``, either way) and ``text``, one line for people.
     """
-    same = [r for r in runs() if run_family(r) == family]
+    same = [r for r in runs() if run_family(r) == family and not r.benchmark]
     out: dict[str, Any] = {"family": family, "run": None, "at_scale": False}
     if not same:
         out["text"] = f"never measured: no published {family} run in the planner's records"
@@ -376,8 +383,39 @@ def evidence(family: str, params: float, gpus: int, gpu: str = "") -> dict[str, 
 
 
 def table(efficiency: float | None = None) -> list[dict[str, Any]]:
-    """``compare`` for every run, in the file's order."""
-    return [compare(r, efficiency) for r in runs()]
+    """``compare`` for every run chosen one by one (not the benchmark tables'), in the file's order."""
+    return [compare(r, efficiency) for r in runs() if not r.benchmark]
+
+
+def benchmark_rows() -> list[dict[str, Any]]:
+    """Every benchmark-table run held out by source and by framework family: ``name``, ``section`` (the table's
+    section: GPU and precision), ``seq_len``, ``fit``, ``by_source`` and ``by_framework`` (predicted / measured)."""
+    out = []
+    for r in runs():
+        if r.benchmark and not r.exempt("throughput"):
+            out.append({"name": r.name, "section": r.record["source"]["where"].split("'")[1],
+                        "seq_len": r.record["setup"]["seq_len"], "fit": compare(r, alternatives=False)["fit"],
+                        "by_source": held_out(r)["ratio"], "by_framework": held_out(r, "framework")["ratio"]})
+    return out
+
+
+def format_benchmarks(rows: list[dict[str, Any]] | None = None) -> str:
+    """``benchmark_rows`` by section, as a Markdown table (what the README shows)."""
+    rows = rows if rows is not None else benchmark_rows()
+    lines = ["| benchmark section (held out whole) | runs | median predicted / measured | within 35% | within 35% "
+             "up to 16k tokens | read fits or tight |", "|---|---:|---:|---:|---:|---:|"]
+    sections: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        sections.setdefault(row["section"], []).append(row)
+
+    def within(group: list[dict[str, Any]]) -> str:
+        return f"{sum(1 for x in group if abs(math.log(x['by_source'])) <= math.log(1.35))} of {len(group)}"
+    for section, group in sections.items():
+        short = [x for x in group if x["seq_len"] <= 16384]
+        lines.append(f"| {section} | {len(group)} | {statistics.median(x['by_source'] for x in group):.2f} | "
+                     f"{within(group)} | {within(short)} | "
+                     f"{sum(1 for x in group if x['fit'] in ('fits', 'tight'))} of {len(group)} |")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict[str, Any]] | None = None) -> str:
