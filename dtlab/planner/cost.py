@@ -377,6 +377,9 @@ class Setup:
     * ``attention_kernel``: which fused attention kernel runs, for its speed (``kernels.ATTENTION_KERNELS``):
       "flash2" (FlashAttention-2, PyTorch's SDPA on recent GPUs; the default), "flash1" or "triton" (the Triton
       FlashAttention llm-foundry's MPT benchmarks ran, with ALiBi). Ignored without ``flash_attention``.
+    * ``deepspeed_bucket``: DeepSpeed's ``reduce_bucket_size`` (elements; 5e8 by default, Hugging Face's "auto" sets
+      h x h). With ``contiguous_gradients`` (the default) it allocates the whole bucket, in the gradients' format,
+      whatever the model's size: 1.9 GiB in fp32 at the default.
     * ``pipeline_split``: how the layers are shared out among pipeline stages (``stage_layers``): "even" (as equal
       as they go, the first stages taking one more) or "lighter_ends" (the first and last stages one layer fewer,
       as Llama 3's schedule does, to make room for what those stages hold besides their layers).
@@ -399,6 +402,7 @@ class Setup:
     overhead: float | None = None
     fused_loss: bool = False
     attention_kernel: str = "flash2"
+    deepspeed_bucket: float = 5e8
 
     @property
     def value_bytes(self) -> int:

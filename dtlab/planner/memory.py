@@ -29,7 +29,8 @@ on the first stage and the output layer on the last):
     layer) and the unsharded gradient being reduced; with a pipeline, FSDP keeps its stage unsharded (parameters
     and gradients: ``reshard_after_forward=False``, the reduction deferred to the step's end, as torchtitan does);
     DDP's gradient buckets (a second copy of the gradients unless ``gradient_as_bucket_view``); autocast's 16-bit
-    copies of the weights, saved for backward; DeepSpeed's reduce and all-gather buckets (``DEEPSPEED_BUCKET``).
+    copies of the weights, saved for backward; DeepSpeed's reduce bucket (``cost.Setup.deepspeed_bucket``) and
+    all-gather bucket (``DEEPSPEED_BUCKET``), and ZeRO-3's gathered parameters (up to ``DEEPSPEED_MAX_LIVE``).
     At the optimizer step: Adam's foreach temporary (4 bytes per parameter it steps), DeepSpeed's fp32 gradients.
 ``runtime``
     What a process needs besides its tensors: the CUDA context (``CUDA_CONTEXT_BYTES``) and NCCL's buffers for each
@@ -91,8 +92,10 @@ ALLOCATOR_SLACK = 0.19
 #: so what must fit is the allocated peak and this much (the median of reserved / allocated in the OOM messages of
 #: measured_memory.json: 1.047, 1.022, 1.069, three sources), not ``ALLOCATOR_SLACK``.
 FULL_CARD_SLACK = 0.05
-#: DeepSpeed's default reduce_bucket_size and allgather_bucket_size (elements): 5e8, 16-bit.
+#: DeepSpeed's default allgather_bucket_size (elements; its reduce bucket is ``cost.Setup.deepspeed_bucket``), and
+#: its stage3_max_live_parameters: ZeRO-3 keeps up to that many gathered parameters live from forward to backward.
 DEEPSPEED_BUCKET = 5e8
+DEEPSPEED_MAX_LIVE = 1e9
 #: The figures a tool shows: what each adds to the allocated peak.
 FIGURES = ("max_memory_allocated", "max_memory_reserved", "nvidia-smi")
 
@@ -224,8 +227,9 @@ def stage_peak(*, shape: ModelShape, layout, setup, psi: float, psi_layers: floa
             # the unit computing and the one prefetched, in the compute format; the unit's gradient, in the compute
             # format and as the reduce-scatter's input (grad_reduce)
             buffers += 2 * vb * unit + (vb + setup.grad_reduce_bytes) * unit
-        else:                            # DeepSpeed's gathered parameters and its reduce bucket
-            buffers += 2 * 2 * unit + 2 * min(DEEPSPEED_BUCKET, psi)
+        else:      # DeepSpeed keeps what it gathered live up to stage3_max_live_parameters; its reduce bucket
+            buffers += vb * max(min(DEEPSPEED_MAX_LIVE, psi), 2 * unit)
+            persistent += vb * setup.deepspeed_bucket    # allocated when the engine starts
     elif fw == "pytorch" and layout.zero == 2:
         # FSDP's SHARD_GRAD_OP: the 16-bit parameters stay gathered from forward to backward; a unit's gradient is
         # reduced as it is made
@@ -236,7 +240,7 @@ def stage_peak(*, shape: ModelShape, layout, setup, psi: float, psi_layers: floa
         if layout.dp * layout.cp > 1:    # DDP's buckets (ZeroRedundancyOptimizer runs under DDP): a gradient copy
             persistent += states_per_param(fw, precision, 0).grads * psi
     elif fw in ("deepspeed", "megatron-deepspeed") and layout.dp * layout.cp > 1:
-        buffers += 2 * min(DEEPSPEED_BUCKET, psi)                            # the reduce bucket
+        buffers += vb * setup.deepspeed_bucket        # the reduce bucket, allocated whole (contiguous_gradients)
     step = 0.0
     opt_params = psi / (shards if layout.zero >= 1 else 1)
     if not layout.offload_optimizer:
@@ -246,7 +250,7 @@ def stage_peak(*, shape: ModelShape, layout, setup, psi: float, psi_layers: floa
             if mixed and states_per_param(fw, precision, layout.zero).grads == 2:
                 step += 4 * opt_params                                       # fp32 gradients of the partition
             if layout.zero in (1, 2) and layout.dp * layout.cp > 1:
-                step += 2 * min(DEEPSPEED_BUCKET, psi)                       # the all-gather bucket
+                step += vb * min(DEEPSPEED_BUCKET, psi)                      # the all-gather bucket
 
     model_states = states["params"] + states["grads"] + states["optimizer"]
     backward = activations + loss + buffers + persistent

@@ -316,3 +316,39 @@ def format_sources(rows: list[dict[str, Any]] | None = None) -> str:
         runs = f"{len(ratios)}" + (f" (+{bounds} read at the card's full memory: a bound)" if bounds else "")
         lines.append(f"| {source} | {runs} | {median} | {worst} | {', '.join(ooms) if ooms else '-'} |")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- this machine's runs
+
+CPU_PATH = Path(__file__).with_name("measured_cpu.json")
+
+
+def cpu_runs() -> list[dict[str, Any]]:
+    """The peak-memory measurements taken on this course's CPU machine (``measured_cpu.json``, written by
+    ``scripts/measure_memory_cpu.py``): the course's TinyGPT and a Hugging Face Llama under DDP, FSDP2 and DeepSpeed's
+    ZeRO on 2 gloo processes."""
+    return json.loads(CPU_PATH.read_text())["runs"]
+
+
+def price_cpu(run: dict[str, Any]) -> dict[str, Any]:
+    """The planner's peak allocated bytes for one CPU run (fp32, one of 2 ranks) beside the measured peak (the most of
+    any rank): ``predicted``, ``measured`` (bytes), ``ratio`` and the planner's ``memory`` dict."""
+    m, strategy = run["model"], run["strategy"]
+    shape = ModelShape(run["name"], m["n_layer"], m["n_embd"], m["n_head"], "this machine", n_kv_head=m["n_kv_head"],
+                       ffn=m["ffn"], gated=m["gated"], vocab=m["vocab"], tied=m["tied"], dropout=m["dropout"])
+    label, world = strategy["label"], run["world"]
+    deepspeed = strategy.get("deepspeed") or {}
+    zero_cfg = deepspeed.get("zero_optimization", {}) if isinstance(deepspeed, dict) else {}
+    if label.startswith("DDP"):
+        lay, framework = cost.Layout(dp=world, zero=0), "pytorch"
+    elif label.startswith("FSDP2"):
+        lay, framework = cost.Layout(dp=world, zero=3), "pytorch"
+    else:
+        lay, framework = cost.Layout(dp=world, zero=int(zero_cfg["stage"])), "deepspeed"
+    setup = cost.Setup(global_batch=run["batch_per_rank"] * world, micro_batch=run["batch_per_rank"],
+                       seq_len=run["seq_len"], recompute="none", precision="fp32", flash_attention=True,
+                       framework=framework, deepspeed_bucket=float(zero_cfg.get("reduce_bucket_size", 5e8)))
+    mem = cost.memory(float(m["params"]), shape, lay, setup)
+    measured = float(run["peak_bytes_max_over_ranks"])
+    return {"name": run["name"], "strategy": label, "predicted": mem["allocated"], "measured": measured,
+            "ratio": mem["allocated"] / measured, "memory": mem}
