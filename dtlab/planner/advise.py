@@ -502,7 +502,8 @@ def plot(advice: Advice, strategies: list[str] | None = None):
     ax = axes[0][0]
     left = [0.0] * len(rows)
     for part, color in (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green"),
-                        ("activations", "tab:purple"), ("buffers", "tab:pink")):
+                        ("activations", "tab:purple"), ("loss", "tab:cyan"), ("buffers", "tab:pink"),
+                        ("runtime", "tab:gray")):
         values = [r["memory_bytes"][part] / 1e9 for r in rows]
         ax.barh(names, values, left=left, color=color, label=part)
         left = [a + b for a, b in zip(left, values)]
