@@ -213,8 +213,8 @@ def test_hsdp_gathers_in_the_shard_group_and_all_reduces_across_replicas(hsdp_me
 def test_hsdp_ranks_hold_what_the_planner_says(hsdp_measured):
     """Parameters, gradients and AdamW's moments each rank holds after a step (the local shards of fully_shard's
     DTensors, counted) against the planner's memory for the layout in fp32 (bytes / 4): sharded over the shard
-    group of 2, not over all 4 ranks. The planner counts an fp32 master copy in the optimizer (DeepSpeed's); FSDP2's
-    fp32 shards are the master, so a rank holds Adam's two moments only."""
+    group of 2, not over all 4 ranks. FSDP2's fp32 shards are the master weights, so a rank holds Adam's two moments
+    only, as the planner's PyTorch accounting says (dtlab.planner.memory: no separate master copy)."""
     from dtlab.planner import cost, formulas
 
     c = HSDP_CFG
@@ -224,5 +224,5 @@ def test_hsdp_ranks_hold_what_the_planner_says(hsdp_measured):
             setup = cost.Setup(global_batch=4 * m, micro_batch=1, seq_len=c["block"], precision="fp32")
             mem = cost.memory(hsdp_measured["psi"], shape, _hsdp_layout(variant), setup, m)
             assert row["held"] == {"params": mem["params"] / 4, "grads": mem["grads"] / 4,
-                                   "optimizer": (mem["optimizer"] - mem["params"]) / 4}, (variant, m)
+                                   "optimizer": mem["optimizer"] / 4}, (variant, m)
             assert row["held"]["params"] == hsdp_measured["psi"] / 2
