@@ -58,7 +58,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dtlab.planner import formulas, hardware
+from dtlab.planner import formulas, hardware, kernels
+from dtlab.planner import memory as peak
 from dtlab.planner.formulas import ModelShape, ring_factor
 
 #: The one-rate model (what the planner used before it priced each kernel at its measured rate, and what a given
@@ -72,8 +73,6 @@ DEFAULT_EFFICIENCY = 0.58
 
 def kernels_for(name: str, gpu: hardware.GPU):
     """The measured kernel rates the planner prices ``gpu`` (called ``name``) with (``dtlab.planner.kernels``)."""
-    from dtlab.planner import kernels
-
     return kernels.rates_for(name, gpu.bf16_tflops or gpu.fp16_tflops)
 
 
@@ -417,13 +416,12 @@ class Setup:
             raise ValueError(f"precision={self.precision!r}: use one of {', '.join(PRECISIONS)}.{why} Fix: price the "
                              "run as bf16 and measure its memory (torch.cuda.max_memory_allocated), knowing the "
                              "prediction is not for float8")
-        from dtlab.planner.memory import FRAMEWORKS
-        if self.framework not in FRAMEWORKS:
-            raise ValueError(f"framework={self.framework!r}: use one of {', '.join(FRAMEWORKS)} (pytorch: DDP, FSDP, "
-                             "torchtitan, Hugging Face; megatron: Megatron-LM; deepspeed; megatron-deepspeed)")
-        from dtlab.planner.kernels import ATTENTION_KERNELS
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ValueError(f"attention_kernel={self.attention_kernel!r}: use one of {', '.join(ATTENTION_KERNELS)}")
+        if self.framework not in peak.FRAMEWORKS:
+            raise ValueError(f"framework={self.framework!r}: use one of {', '.join(peak.FRAMEWORKS)} (pytorch: DDP, "
+                             "FSDP, torchtitan, Hugging Face; megatron: Megatron-LM; deepspeed; megatron-deepspeed)")
+        if self.attention_kernel not in kernels.ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel={self.attention_kernel!r}: use one of "
+                             f"{', '.join(kernels.ATTENTION_KERNELS)}")
         if self.grad_reduce not in PRECISIONS:
             raise ValueError(f"grad_reduce={self.grad_reduce!r}: use one of {', '.join(PRECISIONS)} (fp32: what DDP "
                              "under autocast, Megatron-LM and torchtitan send; bf16: DeepSpeed's default)")
@@ -496,8 +494,6 @@ def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
     holds ``min(M, P - s)`` micro-batches' activations at its peak (interleaving adds ``(P-1)/(P*v)`` of that;
     GPipe holds all M). Without a pipeline the one GPU holds both ends.
     """
-    from dtlab.planner import memory as peak
-
     m = micro_batches if micro_batches is not None else max(1, setup.global_batch // (layout.dp * setup.micro_batch))
     splits = stage_layers(shape.n_layer, layout.pp, setup.pipeline_split) if layout.pp > 1 else [shape.n_layer]
     interleaved = 1 + ((layout.pp - 1) / (layout.pp * layout.virtual) if layout.virtual > 1 else 0)
@@ -526,9 +522,6 @@ def memory(num_params: float, shape: ModelShape, layout: Layout, setup: Setup,
 #: (``published.fitted_overhead``; tests/test_published_runs.py recomputes it and holds every run out by source and by
 #: framework family).
 KERNEL_OVERHEAD = 1.10
-#: How much of the communication it hides the compute gives back: NCCL's kernels run on the same streaming
-#: multiprocessors and memory as the matrix products they overlap.
-OVERLAP_SLOWDOWN = 0.0
 
 
 def kernel_seconds(shape: ModelShape, layout: Layout, setup: Setup, gpu_name: str, peak: float) -> dict[str, float]:
@@ -538,8 +531,6 @@ def kernel_seconds(shape: ModelShape, layout: Layout, setup: Setup, gpu_name: st
     ``Setup.overhead`` (``KERNEL_OVERHEAD`` when None). Returns ``forward``, ``backward`` (with what it recomputes),
     ``recompute``, ``attention_forward`` (one layer's attention forward, what ring attention hides a hop behind),
     and ``layers`` (the slowest stage's)."""
-    from dtlab.planner import kernels
-
     rates = kernels.rates_for(gpu_name, peak / 1e12)
     t, seq = layout.tp, setup.seq_len
     tokens = setup.micro_batch * seq / layout.cp
@@ -757,9 +748,7 @@ def cost(num_params: float, layout: Layout, cluster: str | hardware.Cluster, set
             offload += m * 2 * setup.value_bytes * shard / (PCIE_GBS * 1e9)
 
     hidden = dp_total - dp_exposed + cp_total - cp_s
-    # communication hidden behind compute still takes the GPU's streaming multiprocessors and memory bandwidth from it
-    contention = OVERLAP_SLOWDOWN * hidden if setup.efficiency is None else 0.0
-    compute = m * per_mb + contention
+    compute = m * per_mb
     pipelined = compute + tp_s + cp_s + pp_s
     bubble_share = (layout.pp - 1) / (layout.virtual * m + layout.pp - 1) if layout.pp > 1 else 0.0
     bubble = pipelined * bubble_share / (1 - bubble_share)

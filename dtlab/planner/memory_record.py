@@ -30,6 +30,7 @@ nvidia-smi's.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -208,9 +209,8 @@ def nearest(params: float, gpus: int, family: str) -> dict[str, Any] | None:
     """The measured run nearest to ``params`` on ``gpus`` GPUs (log distance; a run of the same strategy ``family``,
     ``published.family_of``'s words, preferred): what a memory figure the planner gives rests on. Returns the run's
     name, its measured figure (GiB and kind), the planner's predicted / measured on it and a line for people."""
-    import math
+    from dtlab.planner.published import family_of  # published prices runs with advise, which imports this module
 
-    from dtlab.planner.published import family_of
     rows = [row for row in checked() if row["ratio"] is not None]
     if not rows:
         return None
