@@ -10,7 +10,9 @@ table with a version history.
 * ``write_table(df, name=..., path=...)`` / ``read_table(spark, where)`` — the DataFrame as a Delta table and
   back; ``where`` says which table and which writer.
 * ``check_catalog(spark, catalog, schema, volume)`` — before anything is written on Databricks: does each of
-  them exist? A ``LookupError`` names the parameter and the SQL that creates it.
+  them exist (a ``LookupError`` names the parameter and the SQL that creates it), and may you write there
+  (a ``PermissionError`` names the missing privileges and the ``GRANT`` an owner runs)?
+* ``quote(*parts)`` — a Unity Catalog name in backticks, ```my-catalog`.`sales```: a hyphen or a space needs them.
 * ``volume_path(catalog, schema, volume, *parts)`` — ``/Volumes/<catalog>/<schema>/<volume>/...``.
 """
 
@@ -32,14 +34,75 @@ def spark_has_delta(spark: Any) -> bool:
         return os.path.isdir("/Volumes") and "DATABRICKS_RUNTIME_VERSION" in os.environ
 
 
+#: The privileges a job needs to write a table and register a model in a schema, and to write files in a volume.
+WRITE_PRIVILEGES = {"catalog": ("USE CATALOG",), "schema": ("USE SCHEMA", "CREATE TABLE", "CREATE MODEL"),
+                    "volume": ("READ VOLUME", "WRITE VOLUME")}
+
+
 def volume_path(catalog: str, schema: str, volume: str, *parts: str) -> Path:
     """A path in a Unity Catalog volume: ``/Volumes/<catalog>/<schema>/<volume>/<parts...>``."""
-    return Path("/Volumes", catalog, schema, volume, *parts)
+    return Path(os.environ.get("DTLAB_VOLUMES_ROOT") or "/Volumes", catalog, schema, volume, *parts)
 
 
-def check_catalog(spark: Any, catalog: str, schema: str, volume: str | None = None) -> None:
+def quote(*parts: str) -> str:
+    """``catalog``, ``schema``, ... as one Unity Catalog name, each part in backticks (a backtick inside doubled):
+    ``quote("my-cat", "s")`` is ```my-cat`.`s```."""
+    return ".".join("`" + p.replace("`", "``") + "`" for p in parts)
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def missing_privileges(spark: Any, catalog: str, schema: str, volume: str | None = None,
+                       needed: dict[str, tuple[str, ...]] = WRITE_PRIVILEGES) -> dict[str, list[str]]:
+    """The privileges of ``needed`` the user running this lacks, per securable (``{"schema": ["CREATE MODEL"]}``);
+    empty when none is missing.
+
+    Read from the catalog's ``information_schema`` (``catalog_privileges``, ``schema_privileges`` and
+    ``volume_privileges`` list each grant with what it inherits from above; ``schemata`` and ``volumes`` name the
+    owners): a grant counts when it is to you (``current_user()``) or to a group you are in
+    (``is_account_group_member``); ``ALL PRIVILEGES`` and owning the object count for everything.
+
+    Raises:
+        LookupError: the ``information_schema`` cannot be read (not Unity Catalog), naming the check to run instead.
+    """
+    where = {"catalog": f"catalog_name = {_literal(catalog)}",
+             "schema": f"catalog_name = {_literal(catalog)} AND schema_name = {_literal(schema)}",
+             "volume": f"volume_catalog = {_literal(catalog)} AND volume_schema = {_literal(schema)} AND "
+                       f"volume_name = {_literal(volume or '')}"}
+    owners = {"catalog": ("catalogs", "catalog_owner"), "schema": ("schemata", "schema_owner"),
+              "volume": ("volumes", "volume_owner")}
+    mine = "(grantee = current_user() OR is_account_group_member(grantee))"
+    missing = {}
+    for securable, privileges in needed.items():
+        if securable == "volume" and not volume:
+            continue
+        info = f"{quote(catalog)}.information_schema"
+        try:
+            held = {r[0] for r in spark.sql(f"SELECT privilege_type FROM {info}.{securable}_privileges "
+                                            f"WHERE {where[securable]} AND {mine}").collect()}
+            table, column = owners[securable]
+            owned = spark.sql(f"SELECT 1 FROM {info}.{table} WHERE {where[securable]} AND "
+                              f"({column} = current_user() OR is_account_group_member({column}))").collect()
+        except Exception as exc:                         # no information_schema: a catalog outside Unity Catalog
+            raise LookupError(f"cannot read the privileges in {info} ({str(exc).splitlines()[0][:200]}). Fix: on "
+                              f"Databricks with Unity Catalog this works; elsewhere check them yourself "
+                              f"(SHOW GRANTS ON SCHEMA {quote(catalog, schema)})") from None
+        if owned or "ALL PRIVILEGES" in held:
+            continue
+        lacking = [p for p in privileges if p not in held]
+        if lacking:
+            missing[securable] = lacking
+    return missing
+
+
+def check_catalog(spark: Any, catalog: str, schema: str, volume: str | None = None,
+                  privileges: bool = True) -> None:
     """Raise ``LookupError`` naming the parameter and the fix when ``catalog``, ``catalog.schema`` or the volume does
-    not exist (or is not given). Run it before writing anything on Databricks."""
+    not exist (or is not given), and ``PermissionError`` naming the privileges you lack and the ``GRANT`` that gives
+    them (``missing_privileges``; ``privileges=False`` skips that). Run it before writing anything on Databricks:
+    a missing privilege found after the training would lose the run."""
     for name, value in (("catalog", catalog), ("schema", schema), ("volume", volume)):
         if name == "volume" and volume is None:
             continue
@@ -49,14 +112,26 @@ def check_catalog(spark: Any, catalog: str, schema: str, volume: str | None = No
     catalogs = {r[0] for r in spark.sql("SHOW CATALOGS").collect()}
     if catalog not in catalogs:
         raise LookupError(f"catalog {catalog!r} does not exist or you cannot see it (parameter 'catalog'). "
-                          f"Fix: another catalog, or CREATE CATALOG {catalog} (needs the CREATE CATALOG privilege)")
-    schemas = {r[0] for r in spark.sql(f"SHOW SCHEMAS IN {catalog}").collect()}
+                          f"Fix: another catalog, or CREATE CATALOG {quote(catalog)} (needs the CREATE CATALOG "
+                          "privilege)")
+    schemas = {r[0] for r in spark.sql(f"SHOW SCHEMAS IN {quote(catalog)}").collect()}
     if schema not in schemas:
         raise LookupError(f"schema {catalog}.{schema} does not exist (parameter 'schema'). Fix: CREATE SCHEMA "
-                          f"{catalog}.{schema}, or set 'schema' to one of {sorted(schemas)[:5]}")
+                          f"{quote(catalog, schema)}, or set 'schema' to one of {sorted(schemas)[:5]}")
     if volume and not volume_path(catalog, schema, volume).is_dir():
         raise LookupError(f"volume {catalog}.{schema}.{volume} does not exist (parameter 'volume'). Fix: CREATE VOLUME "
-                          f"{catalog}.{schema}.{volume}")
+                          f"{quote(catalog, schema, volume)}")
+    if not privileges:
+        return
+    missing = missing_privileges(spark, catalog, schema, volume)
+    if missing:
+        on = {"catalog": f"CATALOG {quote(catalog)}", "schema": f"SCHEMA {quote(catalog, schema)}",
+              "volume": f"VOLUME {quote(catalog, schema, volume or '')}"}
+        user = spark.sql("SELECT current_user()").collect()[0][0]
+        grants = "; ".join(f"GRANT {', '.join(p)} ON {on[s]} TO {quote(user)}" for s, p in missing.items())
+        raise PermissionError(f"you ({user}) lack {', '.join(f'{s} {p}' for s, ps in missing.items() for p in ps)}, "
+                              f"which this job needs before it writes anything. Fix: ask the owner or an admin to "
+                              f"run: {grants} (or choose a catalog, schema and volume you may write to)")
 
 
 def write_table(df: Any, *, path: str | os.PathLike, name: str | None = None) -> dict[str, Any]:

@@ -130,6 +130,40 @@ def plan(backend: str | None = None, nprocs: int | None = None, device: str | No
     return Plan(backend=backend, device=device, nprocs=nprocs, reason=reason)
 
 
+def resume_world(plan: Plan, resume_on: int | None = None) -> int:
+    """How many processes a run that resumes ``plan``'s checkpoint uses: ``resume_on`` when given (checked), else
+    ``plan.nprocs + 1`` where the machine has them, else ``plan.nprocs - 1`` (on GPUs, all of them already in
+    use), else ``plan.nprocs`` (one process: nothing fewer).
+
+    Raises:
+        ValueError: ``resume_on`` GPU processes on a machine with fewer GPUs (PySpark would quietly start fewer),
+        naming the fix.
+    """
+    n = plan.nprocs
+    if resume_on is not None:
+        if not isinstance(resume_on, int) or isinstance(resume_on, bool) or resume_on < 1:
+            raise ValueError(f"resume_on={resume_on!r}: a positive number of processes. Fix: e.g. resume_on={n}")
+        if plan.device == "cuda" and resume_on > gpu_count():
+            raise ValueError(f"resume_on={resume_on} processes, one per GPU, but this node has {gpu_count()} GPU(s). "
+                             f"Fix: resume_on <= {gpu_count()} (e.g. {max(n - 1, 1)}: fewer ranks than the first run), "
+                             "or leave it unset")
+        return resume_on
+    if plan.device != "cuda" or n + 1 <= gpu_count():
+        return n + 1
+    return n - 1 if n > 1 else n
+
+
+def global_batch(per_rank: int, *worlds: int) -> int:
+    """The smallest global batch of at least ``per_rank x worlds[0]`` samples that every world size in ``worlds``
+    divides: each run then takes the same samples per step, and the optimisation is the same whatever N."""
+    import math
+
+    if per_rank < 1 or not worlds or min(worlds) < 1:
+        raise ValueError(f"per_rank={per_rank}, worlds={worlds}: positive numbers. Fix: e.g. global_batch(6, 2, 3)")
+    step = math.lcm(*worlds)
+    return -(-per_rank * worlds[0] // step) * step
+
+
 #: Library versions of the Databricks runtimes the course targets, as shipped (requirements-dbr<runtime>.txt
 #: pins the same, with their sources; tests/test_environment.py checks they agree). ``dtlab env`` on a
 #: cluster reports any installed version that differs: usually requirements.txt installed over the runtime.

@@ -13,6 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -252,3 +253,49 @@ class SavedBytes:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+class RunLog:
+    """What a lesson's claims measure inside a training function, kept apart from the function itself.
+
+    The training function calls ``step(ids, read_s, train_s)`` after each step and ``finish(model, ...)`` at the
+    end (every rank: it is a collective); ``finish`` returns, on every rank, each rank's record: the sample ids of
+    every step, the seconds spent waiting for data and training (the first step, which imports and opens files,
+    left out), the elements it held (``dtlab.parallel.held_elements``), and the model's greedy answer to a
+    prompt with the prompt's logits. A template copied without it trains the same.
+    """
+
+    def __init__(self) -> None:
+        self.ids: list[list[int]] = []
+        self.read_s = self.train_s = 0.0
+        self.samples = 0
+
+    def step(self, ids: Any, read_s: float, train_s: float) -> None:
+        if self.ids:
+            self.read_s, self.train_s, self.samples = self.read_s + read_s, self.train_s + train_s, \
+                self.samples + len(ids)
+        self.ids.append([int(i) for i in ids])
+
+    @torch.no_grad()
+    def finish(self, model: torch.nn.Module, optimizer: Any = None, prompt: Any = None, new_tokens: int = 0,
+               device: torch.device | str = "cpu") -> list[dict[str, Any]]:
+        import torch.distributed as dist
+
+        from dtlab.parallel import held_elements
+
+        mine: dict[str, Any] = {"ids": self.ids, "read_s": self.read_s, "train_s": self.train_s,
+                                "samples": self.samples, "held": held_elements(model, optimizer)}
+        if prompt is not None:                     # greedy: each rank runs the same forwards (FSDP2 gathers)
+            x = torch.as_tensor(prompt, device=device).long().view(1, -1)
+            mine["logits"] = model(input_ids=x, use_cache=False).logits[0].float().cpu()
+            for _ in range(new_tokens):
+                nxt = model(input_ids=x, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+                x = torch.cat([x, nxt], dim=1)
+            mine["answer"] = x[0, len(mine["logits"]):].tolist()
+            if hasattr(model, "reshard"):
+                model.reshard()
+        if not (dist.is_available() and dist.is_initialized()):
+            return [mine]
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return every

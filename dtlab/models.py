@@ -12,6 +12,7 @@ runs can be compared with single-process runs weight for weight.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -243,3 +244,37 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor, batch_size: int = 16
         total, count = total + float(loss), count + rows[:, 1:].numel()
     model.train(was_training)
     return total / count
+
+
+@torch.no_grad()
+def held_out_loss(model: nn.Module, batches: Any, device: torch.device | str = "cpu") -> float:
+    """Mean next-token cross-entropy of a Hugging Face causal LM over ``batches`` (``{"tokens": (b, seq_len + 1)}``,
+    this rank's share, e.g. a ``dtlab.shards.ShardStream`` of held-out shards), over all ranks when a process group
+    runs; in eval mode. Under FSDP2 the model's weights are sharded again afterwards (an evaluation is a forward
+    with no backward to release them)."""
+    import torch.distributed as dist
+
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in batches:
+        tokens = batch["tokens"].to(device)
+        logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
+        sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum").double()
+        sums[1] += tokens[:, 1:].numel()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sums)
+    if hasattr(model, "reshard"):                  # FSDP2: free the gathered weights the forward left
+        model.reshard()
+    model.train(was_training)
+    return float(sums[0] / sums[1])
+
+
+def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
+    """The learning rate's factor at ``step`` (0-based): rising linearly to 1 over ``warmup`` steps, then a cosine
+    down to ``floor`` at ``total``; for ``torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s,
+    ...))``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    done = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * done))

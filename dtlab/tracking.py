@@ -314,6 +314,26 @@ def registry_name(name: str, catalog: str | None = None, schema: str | None = No
     return f"{catalog}.{schema}.{name}" if catalog else name
 
 
+def registry_for(catalog: str | None = None, schema: str | None = None) -> str | None:
+    """The model registry to register in: Unity Catalog's (``"databricks-uc"``) with a catalog and schema; off
+    Databricks without them, the tracking store's own (None).
+
+    Raises:
+        TrackingError: on Databricks without a catalog and schema. The legacy Workspace Model Registry, the only
+        other one there, is disabled in accounts created since April 2024 and has no aliases, so it is not used;
+        the message names the parameters.
+    """
+    if catalog or schema:
+        registry_name("x", catalog, schema)                   # both or neither
+        return "databricks-uc"
+    if on_databricks():
+        raise TrackingError("on Databricks a model is registered in Unity Catalog, and no catalog and schema are "
+                            "given (the legacy Workspace Model Registry is disabled in accounts created since April "
+                            "2024). Fix: set the parameters 'catalog' and 'schema' to a schema where you hold "
+                            "CREATE MODEL")
+    return None
+
+
 def register(model_uri: str, name: str, alias: str | None = None, registry_uri: str | None = None) -> int:
     """Register the logged model at ``model_uri`` as a new version of ``name``; point ``alias`` at it where the
     registry takes aliases (``aliases_supported``); return the version.

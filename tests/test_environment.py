@@ -216,3 +216,20 @@ def test_the_supported_ranges_start_at_the_runtimes_versions():
     both = set(lower) & set(shipped)
     assert {"torch", "numpy", "pyspark", "mlflow", "pandas", "pyarrow", "cloudpickle"} <= both
     assert all(lower[p] == shipped[p] for p in both), {p: (lower[p], shipped[p]) for p in both}
+
+
+def test_the_resumed_runs_size_and_the_global_batch_follow_the_gpus():
+    from dtlab.environment import Plan, global_batch, resume_world
+
+    cpu = Plan("gloo", "cpu", 2, "")
+    assert resume_world(cpu) == 3 and resume_world(cpu, 1) == 1
+    gpus = environment.gpu_count()
+    node = Plan("nccl", "cuda", max(gpus, 1), "")               # every GPU of the node in use
+    assert resume_world(node) == (node.nprocs - 1 if node.nprocs > 1 else 1)      # N + 1 does not exist: N - 1
+    with pytest.raises(ValueError, match=rf"resume_on={gpus + 1} processes, one per GPU, but this node has {gpus} "
+                                         r"GPU\(s\). Fix: resume_on <="):
+        resume_world(node, gpus + 1)
+    assert [global_batch(6, 2, 3), global_batch(6, 4, 3), global_batch(6, 8, 7)] == [12, 24, 56]
+    for n, m in ((2, 3), (4, 3), (8, 7), (3, 4)):
+        b = global_batch(5, n, m)
+        assert b % n == 0 and b % m == 0 and b >= 5 * n

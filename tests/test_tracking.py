@@ -264,3 +264,15 @@ print("version", version, torch.equal(back(torch.as_tensor(x)), model(torch.as_t
                          env={**os.environ, "MLFLOW_TRACKING_URI": ""})
     assert "refused:" in out.stdout and "signature" in out.stdout and "input_example" in out.stdout, out.stderr[-2000:]
     assert "version 1 True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_on_databricks_without_a_catalog_registration_is_refused_naming_the_parameters(monkeypatch):
+    monkeypatch.delenv("DATABRICKS_RUNTIME_VERSION", raising=False)
+    assert tracking.registry_for() is None                              # off Databricks: the store's own registry
+    assert tracking.registry_for("main", "ml") == "databricks-uc"
+    with pytest.raises(tracking.TrackingError, match="needs both"):
+        tracking.registry_for("main", "")
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "17.3")
+    with pytest.raises(tracking.TrackingError, match="legacy Workspace Model Registry.*'catalog' and 'schema'"):
+        tracking.registry_for()
+    assert tracking.registry_for("main", "ml") == "databricks-uc"
