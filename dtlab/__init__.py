@@ -9,9 +9,10 @@ Its folders are its map. At the top, what a learner imports, one module per conc
     dtlab.models       MLP, SmallResNet, TinyGPT, count_parameters; LogitsOnly (a Hugging Face LM, logged)
     dtlab.activations  activation memory measured (allocator, saved tensors); recomputation per block
     dtlab.data         deterministic synthetic data, scikit-learn digits, DistributedLoader
-    dtlab.text         real text with no download (CPython's help topics), a BPE learnt from it, token rows
+    dtlab.text         real text with no download, a BPE learnt from it, token rows (also packed by Spark)
     dtlab.delta        a Delta table: Spark's on Databricks (Unity Catalog names checked), delta-rs elsewhere
     dtlab.shards       a table as shards in a volume; ShardStream: each rank's samples once, resumable at any N
+    dtlab.pretrained   your Hugging Face folder into FSDP2 (meta, shard, broadcast from rank 0); back to a folder
     dtlab.checkpoint   atomic save, safe load, exact training state, periodic Checkpointer
     dtlab.sharded_checkpoint  DCP checkpoints: one file per rank, any world size loads them; manifest, async
     dtlab.resumable    the training loop that resumes exactly after being killed (notebook 10)
