@@ -63,6 +63,17 @@ USER = "learner@example.com"
 EXISTING_FOLDERS = ("/", "/Shared", "/Users", "/Repos", "/Workspace", "/Workspace/Shared", "/Workspace/Users",
                     f"/Users/{USER}", f"/Workspace/Users/{USER}")
 
+#: The Unity Catalog places of the simulated workspace: the local Spark's one catalog, a schema in it, and a volume in
+#: that (its files under the job's folder, DTLAB_VOLUMES_ROOT); the job's user holds what the capstone needs through
+#: groups, as a workspace grants it.
+UNITY_CATALOG = {"catalog": "spark_catalog", "schema": "dtlab_course", "volume": "course"}
+#: The grants the simulated catalog's information_schema lists (grantee, securable, privilege) and the groups the
+#: job's user is in (is_account_group_member).
+GRANTS = [("account users", "catalog", "USE CATALOG"), ("ml-team", "schema", "USE SCHEMA"),
+          ("ml-team", "schema", "CREATE TABLE"), ("ml-team", "schema", "CREATE MODEL"),
+          ("ml-team", "volume", "READ VOLUME"), ("ml-team", "volume", "WRITE VOLUME")]
+GROUPS = ("account users", "ml-team")
+
 _STARTUP = '''
 # Run by the simulated Databricks kernel before the notebook: what a Databricks notebook finds defined.
 import json as _json
@@ -190,6 +201,32 @@ try:
 finally:
     _os.chdir(_notebook_folder)
 spark.sparkContext.setLogLevel("ERROR")
+
+# Unity Catalog, as far as a job meets it before it writes: the catalog's information_schema (grants, owners) and
+# is_account_group_member, answered by this session for the places the job was given.
+if _os.environ.get("DTLAB_SIM_UNITY_CATALOG"):
+    _uc = _json.loads(_os.environ["DTLAB_SIM_UNITY_CATALOG"])
+    _c, _s, _v = _uc["catalog"], _uc["schema"], _uc["volume"]
+    spark.udf.register("is_account_group_member", lambda group: group in _uc["groups"], "boolean")
+    spark.sql(f"CREATE DATABASE IF NOT EXISTS {_s}")
+    spark.sql("CREATE DATABASE IF NOT EXISTS information_schema")
+    _grants = {kind: [(g, p) for g, k, p in _uc["grants"] if k == kind] for kind in ("catalog", "schema", "volume")}
+    _tables = {
+        "catalog_privileges": ("grantor string, grantee string, catalog_name string, privilege_type string",
+                               [("admin", g, _c, p) for g, p in _grants["catalog"]]),
+        "schema_privileges": ("grantor string, grantee string, catalog_name string, schema_name string, "
+                              "privilege_type string, inherited_from string",
+                              [("admin", g, _c, _s, p, "NONE") for g, p in _grants["schema"]]),
+        "volume_privileges": ("grantor string, grantee string, volume_catalog string, volume_schema string, "
+                              "volume_name string, privilege_type string, inherited_from string",
+                              [("admin", g, _c, _s, _v, p, "NONE") for g, p in _grants["volume"]]),
+        "catalogs": ("catalog_name string, catalog_owner string", [(_c, "admin")]),
+        "schemata": ("catalog_name string, schema_name string, schema_owner string", [(_c, _s, "admin")]),
+        "volumes": ("volume_catalog string, volume_schema string, volume_name string, volume_owner string",
+                    [(_c, _s, _v, "admin")]),
+    }
+    for _name, (_columns, _rows) in _tables.items():
+        spark.createDataFrame(_rows, _columns).write.mode("overwrite").saveAsTable(f"information_schema.{_name}")
 '''
 
 _STORE = '''
@@ -231,7 +268,9 @@ OSS server lacks): the files of a model version, and a signed download URL for e
 URLs, valid without the token, for this one file)."""
 import hashlib
 import hmac
+import json
 import os
+import time
 from pathlib import Path
 from urllib.parse import quote, urlparse
 from urllib.request import url2pathname
@@ -287,16 +326,169 @@ def _list_model_version_artifacts():
 @app.route("/api/2.0/mlflow/model-versions/get-signed-download-uri", methods=["GET"])
 def _signed_download_uri():
     path = (_version_root() / request.args.get("path", "")).resolve()
-    url = f"{request.host_url.rstrip('/')}{SIGNED}{_signature(path)}?file={quote(str(path))}"
-    return jsonify(signed_uri=url, headers=[])
+    return jsonify(signed_uri=_signed(path, "GET"), headers=[])
 
 
-@app.route(SIGNED + "<signature>", methods=["GET"])
+@app.route(SIGNED + "<signature>", methods=["GET", "PUT"])
 def _signed_download(signature):
     path = request.args.get("file", "")
-    if not hmac.compare_digest(signature, _signature(path)) or not Path(path).is_file():
+    if not hmac.compare_digest(signature, _signature(path + request.method)) or \
+            (request.method == "GET" and not Path(path).is_file()):
         return jsonify(error_code="PERMISSION_DENIED", message="Invalid or expired signature."), 403
+    if request.method == "PUT":                        # a presigned upload, as to the workspace's default storage
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(request.get_data())
+        return ""
     return send_file(path)
+
+
+def _signed(path, method):
+    return f"{request.host_url.rstrip('/')}{SIGNED}{_signature(str(path) + method)}?file={quote(str(path))}"
+
+
+# Unity Catalog's model registry, as MLflow's "databricks-uc" client meets it: registered models named
+# catalog.schema.model in catalogs and schemas that exist, versions whose files go to the workspace's default
+# storage through presigned URLs (/api/2.0/fs/...), aliases. Kept in a JSON file beside the files.
+UC_ROOT = Path(os.environ.get("DTLAB_SIM_UC_ROOT", "/nonexistent"))
+UC_SCHEMAS = set(os.environ.get("DTLAB_SIM_UC_SCHEMAS", "").split(","))
+
+
+def _uc_state():
+    path = UC_ROOT / "registry.json"
+    return json.loads(path.read_text()) if path.is_file() else {"models": {}}
+
+
+def _uc_save(state):
+    (UC_ROOT / "registry.json").write_text(json.dumps(state))
+
+
+def _uc_error(code, message, status=400):
+    return jsonify(error_code=code, message=message), status
+
+
+def _uc_body():
+    return request.get_json(silent=True) or request.args.to_dict()
+
+
+def _uc_version(model, version):
+    return {**model["versions"][str(version)],
+            "aliases": [{"alias": a, "version": str(v)} for a, v in model["aliases"].items() if str(v) == str(version)]}
+
+
+@app.route("/api/2.0/mlflow/unity-catalog/registered-models/create", methods=["POST"])
+def _uc_create_model():
+    name = _uc_body()["name"]
+    parts = name.split(".")
+    if len(parts) != 3:
+        return _uc_error("INVALID_PARAMETER_VALUE", f"Model name {name!r} must be <catalog>.<schema>.<model>.")
+    if ".".join(parts[:2]) not in UC_SCHEMAS:
+        return _uc_error("NOT_FOUND", f"Schema '{'.'.join(parts[:2])}' does not exist.", 404)
+    state = _uc_state()
+    if name in state["models"]:
+        return _uc_error("RESOURCE_ALREADY_EXISTS", f"Registered model '{name}' already exists.")
+    state["models"][name] = {"name": name, "versions": {}, "aliases": {}, "creation_timestamp": int(time.time() * 1e3)}
+    _uc_save(state)
+    return jsonify(registered_model={"name": name})
+
+
+@app.route("/api/2.0/mlflow/unity-catalog/registered-models/get", methods=["GET"])
+def _uc_get_model():
+    model = _uc_state()["models"].get(_uc_body()["name"])
+    if model is None:
+        return _uc_error("RESOURCE_DOES_NOT_EXIST", "Registered model does not exist.", 404)
+    return jsonify(registered_model={"name": model["name"], "aliases": [
+        {"alias": a, "version": str(v)} for a, v in model["aliases"].items()]})
+
+
+@app.route("/api/2.0/mlflow/unity-catalog/model-versions/create", methods=["POST"])
+def _uc_create_version():
+    body, state = _uc_body(), _uc_state()
+    model = state["models"].get(body["name"])
+    if model is None:
+        return _uc_error("RESOURCE_DOES_NOT_EXIST", f"Registered model '{body['name']}' does not exist.", 404)
+    version = str(len(model["versions"]) + 1)
+    model["versions"][version] = {
+        "name": body["name"], "version": version, "source": body.get("source", ""), "run_id": body.get("run_id", ""),
+        "status": "PENDING_REGISTRATION", "creation_timestamp": int(time.time() * 1e3),
+        "storage_location": "/Models/" + body["name"].replace(".", "/") + "/" + version}
+    _uc_save(state)
+    return jsonify(model_version=_uc_version(model, version))
+
+
+@app.route("/api/2.0/mlflow/unity-catalog/model-versions/generate-temporary-credentials", methods=["POST"])
+def _uc_credentials():
+    return jsonify(credentials={"storage_mode": "DEFAULT_STORAGE"})
+
+
+@app.route("/api/2.0/mlflow/unity-catalog/model-versions/finalize", methods=["POST"])
+def _uc_finalize():
+    body, state = _uc_body(), _uc_state()
+    model = state["models"][body["name"]]
+    model["versions"][str(body["version"])]["status"] = "READY"
+    _uc_save(state)
+    return jsonify(model_version=_uc_version(model, body["version"]))
+
+
+@app.route("/api/2.0/mlflow/unity-catalog/model-versions/get", methods=["GET"])
+def _uc_get_version():
+    body = _uc_body()
+    model = _uc_state()["models"].get(body["name"], {"versions": {}})
+    if str(body["version"]) not in model["versions"]:
+        return _uc_error("RESOURCE_DOES_NOT_EXIST", "Model version does not exist.", 404)
+    return jsonify(model_version=_uc_version(model, body["version"]))
+
+
+@app.route("/api/2.0/mlflow/unity-catalog/registered-models/alias", methods=["POST", "GET"])
+def _uc_alias():
+    body, state = _uc_body(), _uc_state()
+    model = state["models"].get(body["name"])
+    if model is None:
+        return _uc_error("RESOURCE_DOES_NOT_EXIST", "Registered model does not exist.", 404)
+    if request.method == "POST":
+        model["aliases"][body["alias"]] = str(body["version"])
+        _uc_save(state)
+        return jsonify({})
+    if body["alias"] not in model["aliases"]:
+        return _uc_error("RESOURCE_DOES_NOT_EXIST", f"Alias {body['alias']} does not exist.", 404)
+    return jsonify(model_version=_uc_version(model, model["aliases"][body["alias"]]))
+
+
+@app.route("/api/2.0/mlflow/unity-catalog/model-versions/emit-lineage", methods=["POST"])
+def _uc_lineage():
+    return jsonify({})
+
+
+@app.route("/api/2.0/mlflow/unity-catalog/registered-models:is-databricks-sdk-models-artifact-repository-enabled",
+           methods=["GET"])
+def _uc_sdk_repository():
+    return jsonify(is_databricks_sdk_models_artifact_repository_enabled=False)
+
+
+def _storage(path):
+    target = (UC_ROOT / path.lstrip("/")).resolve()
+    if not str(target).startswith(str(UC_ROOT.resolve()) + os.sep) or not path.startswith("/Models/"):
+        raise PermissionError(path)
+    return target
+
+
+@app.route("/api/2.0/fs/create-upload-url", methods=["POST"])
+def _fs_upload_url():
+    return jsonify(url=_signed(_storage(_uc_body()["path"]), "PUT"), headers=[])
+
+
+@app.route("/api/2.0/fs/create-download-url", methods=["POST"])
+def _fs_download_url():
+    return jsonify(url=_signed(_storage(_uc_body()["path"]), "GET"), headers=[])
+
+
+@app.route("/api/2.0/fs/directories/<path:folder>", methods=["GET"])
+def _fs_list(folder):
+    target = _storage("/" + folder)
+    if not target.is_dir():
+        return _uc_error("NOT_FOUND", f"{folder} is not a directory.", 404)
+    return jsonify(contents=[{"path": "/" + str(p.relative_to(UC_ROOT)), "is_directory": p.is_dir(),
+                              **({} if p.is_dir() else {"file_size": p.stat().st_size})}
+                             for p in sorted(target.iterdir())])
 '''
 
 _REPL_CONTEXT = '''
@@ -400,6 +592,9 @@ class Job:
         (self.folder / "tmp").mkdir(exist_ok=True)
         (self.folder / "driver").mkdir(exist_ok=True)
         (self.folder / "mlartifacts").mkdir(exist_ok=True)
+        (self.folder / "uc-storage").mkdir(exist_ok=True)
+        (self.folder / "Volumes" / UNITY_CATALOG["catalog"] / UNITY_CATALOG["schema"] /
+         UNITY_CATALOG["volume"]).mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_hex(16)           # the workspace's API token of this run
         self.api_url = self._start_workspace()
 
@@ -488,6 +683,8 @@ class Job:
                "--app-name", "databricks-sim"]
         env = {**os.environ, "PYTHONPATH": str(self.server_site), "DTLAB_SIM_API_TOKEN": self.token,
                "DTLAB_SIM_FOLDERS": ":".join(EXISTING_FOLDERS), "DTLAB_SIM_USER": USER,
+               "DTLAB_SIM_UC_ROOT": str(self.folder / "uc-storage"),
+               "DTLAB_SIM_UC_SCHEMAS": f"{UNITY_CATALOG['catalog']}.{UNITY_CATALOG['schema']}",
                "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
         self._server_log = open(self.folder / "workspace-server.log", "w")
         self._server = subprocess.Popen(cmd, stdout=self._server_log, stderr=subprocess.STDOUT, env=env,
@@ -526,6 +723,10 @@ class Job:
             "DTLAB_SCRATCH": "",                     # unset: notebooks choose their scratch as on Databricks
             "MLFLOW_TRACKING_URI": "",               # unset: dtlab.tracking picks "databricks"
             "DTLAB_SIM_WIDGETS": json.dumps(widgets),
+            "DTLAB_VOLUMES_ROOT": str(self.folder / "Volumes"),          # /Volumes on a cluster
+            # the simulated catalog answers (information_schema) where the task is given Unity Catalog places
+            "DTLAB_SIM_UNITY_CATALOG": json.dumps({**UNITY_CATALOG, "grants": GRANTS, "groups": GROUPS})
+            if widgets.get("catalog") else "",
             "DTLAB_SIM_SPARK_CONF": json.dumps(single_node_spark_conf()),
             "DTLAB_SIM_DRIVER_DIR": str(self.folder / "driver"),
             "DTLAB_SIM_API_URL": self.api_url,          # the notebook context's, removed from the environment

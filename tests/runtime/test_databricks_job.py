@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from databricks_sim import ROOT, Job, Task, load_tasks, single_node_spark_conf
+from databricks_sim import ROOT, UNITY_CATALOG, Job, Task, load_tasks, single_node_spark_conf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jobs_api import JobsAPI  # noqa: E402
@@ -45,9 +45,9 @@ def job(tmp_path_factory):
     job.close()
 
 
-def _run_in_the_job(job, tmp_path, *cells: str) -> dict:
-    """Execute ``cells`` as a notebook task of the job (its kernel, context and environment); each cell may
-    put values into ``out``, which is returned."""
+def _run_in_the_job(job, tmp_path, *cells: str, widgets: dict[str, str] | None = None) -> dict:
+    """Execute ``cells`` as a notebook task of the job (its kernel, context and environment, the job's parameters
+    ``widgets``); each cell may put values into ``out``, which is returned."""
     import nbformat
 
     result_file = tmp_path / "out.json"
@@ -56,7 +56,7 @@ def _run_in_the_job(job, tmp_path, *cells: str) -> dict:
     nb.metadata["kernelspec"] = {"name": "databricks", "display_name": "Databricks (simulated)", "language": "python"}
     path = tmp_path / "task.ipynb"
     nbformat.write(nb, path)
-    result = job.run(Task("adhoc", path, {}), timeout=300)
+    result = job.run(Task("adhoc", path, {}), widgets, timeout=300)
     assert result.status == "ok", f"cell {result.failing_cell}: {result.error}"
     return json.loads(result_file.read_text())
 
@@ -79,6 +79,8 @@ def _other_widgets(task: Task) -> dict[str, str]:
     from dtlab.tooling import runner as course
 
     merged = {**course.ci_parameters(task.notebook), **course.alt_parameters(task.notebook)}
+    if "catalog" in course.notebook_parameters(task.notebook):   # the capstone: the workspace's Unity Catalog places
+        merged.update(UNITY_CATALOG)
     return {k: str(v) for k, v in merged.items()}
 
 
@@ -296,6 +298,65 @@ out["run_id"] = launch.run(log_a_run, env, nprocs=1)[0]
                           "DATABRICKS_TOKEN": job.token, "DTLAB_DATABRICKS_USER": USER}
     status, body = _workspace_get(job, f"/api/2.0/mlflow/runs/get?run_id={out['run_id']}")
     assert status == 200 and body["run"]["data"]["metrics"][0]["value"] == 42.0, body
+
+
+@pytest.mark.timeout(600)
+def test_unity_catalog_places_are_checked_and_a_model_registered_there_loads_by_alias_without_dtlab(job, tmp_path):
+    """Issue 50: the capstone's Unity Catalog branch. The catalog's places and privileges are checked before any
+    write (a missing CREATE MODEL is refused with its GRANT); a model registers in Unity Catalog's registry
+    (databricks-uc: its files uploaded through the workspace's presigned URLs) under an alias, and a process
+    where `import dtlab` fails loads it by that alias and gives the logged model's answer."""
+    out = _run_in_the_job(job, tmp_path, """
+import os, subprocess, sys
+import numpy as np, torch
+from dtlab import delta, tracking
+
+c, s, v = dbutils.widgets.get("catalog"), dbutils.widgets.get("schema"), dbutils.widgets.get("volume")
+delta.check_catalog(spark, c, s, v)                    # they exist and the job's groups may write: no error
+out["volume"] = str(delta.volume_path(c, s, v))
+rows = spark.table("information_schema.schema_privileges").collect()
+columns = spark.table("information_schema.schema_privileges").schema
+
+
+def grant(kept):
+    spark.createDataFrame(kept, columns).write.mode("overwrite").saveAsTable("information_schema.schema_privileges")
+
+
+grant([r for r in rows if r["privilege_type"] != "CREATE MODEL"])     # the schema's CREATE MODEL taken away
+try:
+    delta.check_catalog(spark, c, s, v)
+except PermissionError as err:
+    out["refused"] = str(err)
+grant(rows)
+registry = tracking.registry_for(c, s)
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 2)
+x = np.ones((1, 3), np.float32)
+with tracking.start("uc-round-trip") as run:
+    uri = run.log_model(model, input_example=x)
+name = tracking.registry_name("tiny", c, s)
+out["registry"], out["name"] = registry, name
+out["version"] = tracking.register(uri, name, alias="champion", registry_uri=registry)
+out["expected"] = model(torch.from_numpy(x)).tolist()
+code = ("import sys; sys.modules['dtlab'] = None\\n"
+        "import json, mlflow, numpy as np\\n"
+        "mlflow.set_registry_uri('databricks-uc')\\n"
+        f"model = mlflow.pyfunc.load_model('models:/{name}@champion')\\n"
+        "print(json.dumps(np.asarray(model.predict(np.ones((1, 3), np.float32))).tolist()))")
+done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                      env={**os.environ, **tracking.worker_env()})
+out["served"] = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else done.stderr[-3000:]
+""", widgets={k: str(v) for k, v in UNITY_CATALOG.items()})
+    c, s, v = UNITY_CATALOG["catalog"], UNITY_CATALOG["schema"], UNITY_CATALOG["volume"]
+    assert out["volume"] == str(job.folder / "Volumes" / c / s / v)
+    assert "lack schema CREATE MODEL" in out["refused"]
+    assert f"GRANT CREATE MODEL ON SCHEMA `{c}`.`{s}`" in out["refused"]
+    assert out["registry"] == "databricks-uc" and out["name"] == f"{c}.{s}.tiny" and out["version"] == 1
+    registry = json.loads((job.folder / "uc-storage" / "registry.json").read_text())["models"][out["name"]]
+    assert registry["aliases"] == {"champion": "1"} and registry["versions"]["1"]["status"] == "READY"
+    assert (job.folder / "uc-storage" / "Models" / c / s / "tiny" / "1" / "MLmodel").is_file()
+    assert isinstance(out["served"], list), out["served"]
+    assert max(abs(a - b) for a, b in zip(out["served"][0], out["expected"][0])) < 1e-6
 
 
 def test_without_a_context_or_credentials_worker_env_names_the_fix_and_the_workspace_refuses_a_bad_token(job):
