@@ -438,6 +438,17 @@ def _uc_get_version():
     return jsonify(model_version=_uc_version(model, body["version"]))
 
 
+@app.route("/api/2.0/mlflow/unity-catalog/model-versions/get-download-uri", methods=["GET"])
+def _uc_download_uri():
+    """The version's storage location, as the workspace answers (a client without the storage's credentials then
+    falls back to the models:/ URI, which goes through the presigned URLs)."""
+    body = _uc_body()
+    version = _uc_state()["models"].get(body["name"], {"versions": {}})["versions"].get(str(body["version"]))
+    if version is None:
+        return _uc_error("RESOURCE_DOES_NOT_EXIST", "Model version does not exist.", 404)
+    return jsonify(artifact_uri=version["storage_location"])
+
+
 @app.route("/api/2.0/mlflow/unity-catalog/registered-models/alias", methods=["POST", "GET"])
 def _uc_alias():
     body, state = _uc_body(), _uc_state()
