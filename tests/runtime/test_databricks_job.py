@@ -101,6 +101,17 @@ def test_each_lesson_runs_as_a_databricks_job_task(job, task):
     assert sorted(p.name for p in folder.iterdir()) == before, f"{task.key} wrote into the workspace folder"
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(test_runtime() == "17.3", reason="on 17.3 the capstone is one of the job's tasks")
+def test_the_capstone_runs_on_this_stack_too_with_unity_catalog_and_workers(job, tmp_path):
+    """Issue 50: notebook 21's Unity Catalog and local_mode=False branches on 15.4 as well (DDP on torch 2.3,
+    MLflow 2.13's transformers flavour and Unity Catalog client), not only where its second run belongs."""
+    notebook = ROOT / "notebooks" / "21_from_table_to_registered_model.ipynb"
+    result = job.run(Task("nb21_capstone", notebook, {}), _other_widgets(Task("nb21", notebook, {})), solutions=True)
+    assert result.status == "ok", f"failed at cell {result.failing_cell}: {result.error}\n{result.output}"
+    assert not result.leftovers, result.leftovers
+
+
 def test_the_job_summary_lists_every_lesson(job, tmp_path):
     """The job's last task (run_if ALL_DONE) reports each lesson; here from the results above."""
     from dtlab.tooling import jobs
