@@ -31,6 +31,14 @@ reproduced here (the runtime's Python stack itself is the venv ``make test-runti
   server names, ``--no-serve-artifacts``: the workspace's own artifact service, with credentials per write,
   is the one path not reproduced; a registered model version is read back as the workspace serves it, through
   its list-artifacts and signed-download-URL endpoints.)
+* **Unity Catalog, where a task is given a catalog, schema and volume** (the capstone): the local Spark's one
+  catalog (``spark_catalog``) holds the schema; its ``information_schema`` lists grants to groups the job's user is
+  in (``is_account_group_member``) and the owners, as a workspace's does; the volume is a folder
+  (``DTLAB_VOLUMES_ROOT`` standing for ``/Volumes``); and the workspace serves Unity Catalog's model registry
+  (``databricks-uc``): three-level names in schemas that exist, versions whose files go to "default storage"
+  through presigned upload and download URLs (``/api/2.0/fs/...``), aliases. Not reproduced: Spark writing the
+  table as Delta (a local Spark has no Delta Lake jars, so delta-rs writes it into the volume), and storage
+  reached with cloud credentials instead of presigned URLs.
 
 ``Job`` builds all of it in a folder and starts the server (``Job.close`` stops it); ``Job.run(task)``
 executes one task's notebook there with papermill, passing no parameters but the widgets.
@@ -370,6 +378,11 @@ def _uc_body():
     return request.get_json(silent=True) or request.args.to_dict()
 
 
+def _uc_find(name, version):
+    """The stored model version ``version`` of ``name``, or None."""
+    return _uc_state()["models"].get(name, {"versions": {}})["versions"].get(str(version))
+
+
 def _uc_version(model, version):
     return {**model["versions"][str(version)],
             "aliases": [{"alias": a, "version": str(v)} for a, v in model["aliases"].items() if str(v) == str(version)]}
@@ -432,10 +445,9 @@ def _uc_finalize():
 @app.route("/api/2.0/mlflow/unity-catalog/model-versions/get", methods=["GET"])
 def _uc_get_version():
     body = _uc_body()
-    model = _uc_state()["models"].get(body["name"], {"versions": {}})
-    if str(body["version"]) not in model["versions"]:
+    if _uc_find(body["name"], body["version"]) is None:
         return _uc_error("RESOURCE_DOES_NOT_EXIST", "Model version does not exist.", 404)
-    return jsonify(model_version=_uc_version(model, body["version"]))
+    return jsonify(model_version=_uc_version(_uc_state()["models"][body["name"]], body["version"]))
 
 
 @app.route("/api/2.0/mlflow/unity-catalog/model-versions/get-download-uri", methods=["GET"])
@@ -443,7 +455,7 @@ def _uc_download_uri():
     """The version's storage location, as the workspace answers (a client without the storage's credentials then
     falls back to the models:/ URI, which goes through the presigned URLs)."""
     body = _uc_body()
-    version = _uc_state()["models"].get(body["name"], {"versions": {}})["versions"].get(str(body["version"]))
+    version = _uc_find(body["name"], body["version"])
     if version is None:
         return _uc_error("RESOURCE_DOES_NOT_EXIST", "Model version does not exist.", 404)
     return jsonify(artifact_uri=version["storage_location"])
