@@ -119,20 +119,14 @@ def token_rows(texts: list[str], tokenizer: Any, seq_len: int, max_rows: int | N
 
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len}: at least 1 token per sequence. Fix: e.g. 64")
-    eos = eos_id(tokenizer)
-    stream = []
-    for ids in _encode(tokenizer, texts):
-        stream.extend(ids)
-        stream.append(eos)
     width = seq_len + 1
-    n = len(stream) // width
-    if max_rows:
-        n = min(n, max_rows)
+    rows = pack(_encode(tokenizer, texts), eos_id(tokenizer), width)
+    n = min(len(rows), max_rows) if max_rows else len(rows)
     n -= n % multiple_of
     if n < 1:
-        raise ValueError(f"{len(stream)} tokens make no row of {width} (after max_rows/multiple_of). Fix: more text, "
+        raise ValueError(f"{len(rows)} rows of {width} tokens leave none after max_rows/multiple_of. Fix: more text, "
                          "a shorter seq_len or a smaller multiple_of")
-    rows = np.asarray(stream[: n * width], dtype=np.int32).reshape(n, width)
+    rows = rows[:n]
     return pa.table({"id": pa.array(np.arange(n, dtype=np.int64)),
                      "tokens": pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), width)
                      .cast(pa.list_(pa.int32()))})
@@ -173,11 +167,8 @@ def token_table(df: Any, tokenizer: Any, seq_len: int, text_column: str = "text"
         from tokenizers import Tokenizer
 
         backend = Tokenizer.from_str(spec)
-        token_lists = []
-        for batch in batches:
-            texts = [t for t in batch.column(0).to_pylist() if t]
-            token_lists += [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-        rows = pack(token_lists, eos, width)
+        texts = [t for batch in batches for t in batch.column(0).to_pylist() if t]
+        rows = pack(_encode(backend, texts), eos, width)
         part = TaskContext.get().partitionId()
         yield pa.RecordBatch.from_pydict({
             "part": pa.array([part] * len(rows), pa.int32()), "pos": pa.array(range(len(rows)), pa.int64()),
