@@ -31,6 +31,13 @@ DeepSpeed: each patches one faulty call, of the versions that have the fault, wh
   bf16 ZeRO-3 loss went to NaN, or its fp32 weights 510 away from DDP's, after unrelated code changed the
   process's allocation history). Where that function's source pads with ``torch.empty``, its padding is
   made of zeros; nothing else in DeepSpeed changes.
+* **ipykernel 6.29 (Databricks Runtime 17.3 LTS ML's): a notebook's output can loop forever.** To route a
+  thread's output to its cell, ``OutStream.parent_header`` follows a map of thread idents to the idents of the
+  threads that started them; Python reuses the idents of threads that ended, and a cycle in that map loops
+  forever while holding the GIL (ipython/ipykernel#1269). ``TorchDistributor(local_mode=False)`` starts a log
+  server with a thread per task on every run: in the 17.3 job simulation notebook 21 hung on its third run,
+  the kernel at 100% CPU in that loop. dtlab stops the walk at the first repeated ident (the output then goes
+  to the cell the thread's own chain reaches); ipykernel 6.25 (15.4) and 7 do not walk the map.
 * **DeepSpeed on CPU leaves 66 MB per rank in /dev/shm.** When every rank is on one machine
   (``LOCAL_SIZE`` = world size), DeepSpeed's shared-memory all-reduce (``ops/csrc/cpu/comm/shm.cpp``,
   0.14.4 and 0.19.8 alike) creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``
@@ -247,8 +254,41 @@ def _patch_pipeline_batch_p2p(schedules: types.ModuleType) -> None:
 # --- applied when the module loads, or now -------------------------------------------------------------
 
 #: Module name -> the patch to apply to it once it is loaded.
+def _patch_thread_parent(iostream: types.ModuleType) -> None:
+    """ipykernel 6.29's ``OutStream.parent_header`` follows thread idents to their oldest ancestor; a cycle among
+    recycled idents of threads that ended loops forever (ipython/ipykernel#1269). Stop at the first repeat."""
+    stream = getattr(iostream, "OutStream", None)
+    prop = getattr(stream, "__dict__", {}).get("parent_header")
+    if not isinstance(prop, property) or getattr(prop.fget, "_dtlab_cycle_safe", False):
+        return
+    try:
+        follows_threads = "_thread_to_parent[identity]" in inspect.getsource(prop.fget)
+    except (OSError, TypeError):
+        return
+    if not follows_threads:
+        return
+    import threading
+
+    def parent_header(self):
+        try:
+            return self._parent_header.get()
+        except LookupError:
+            identity = threading.current_thread().ident
+            seen = {identity}
+            while identity in self._thread_to_parent:
+                identity = self._thread_to_parent[identity]
+                if identity in seen:                     # a cycle of recycled idents
+                    break
+                seen.add(identity)
+            return self._thread_to_parent_header.get(identity, self._parent_header_global)
+
+    parent_header._dtlab_cycle_safe = True
+    stream.parent_header = property(parent_header, prop.fset)
+
+
 PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
     "torch.distributed.distributed_c10d": _patch_c10d,
+    "ipykernel.iostream": _patch_thread_parent,
     "deepspeed.runtime.comm.coalesced_collectives": _zero_deepspeed_padding,
     "torch.distributed.pipelining.schedules": _patch_pipeline_batch_p2p,
 }

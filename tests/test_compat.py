@@ -106,3 +106,33 @@ def test_a_deepspeed_buffer_counts_as_left_over_only_once_no_process_maps_it():
         assert path in _compat.leftover_deepspeed_shm()
     finally:
         path.unlink()
+
+
+def test_a_cycle_of_recycled_thread_idents_no_longer_hangs_a_notebooks_output():
+    """ipykernel 6.29 (17.3's) walked thread idents to their oldest ancestor forever when recycled idents made a
+    cycle (ipython/ipykernel#1269): notebook 21 hung in the 17.3 job simulation. The walk now stops at a repeat."""
+    import contextvars
+    import threading
+    import types
+
+    iostream = pytest.importorskip("ipykernel.iostream")
+    prop = iostream.OutStream.__dict__.get("parent_header")
+    if not getattr(getattr(prop, "fget", None), "_dtlab_cycle_safe", False):
+        pytest.skip(f"ipykernel {__import__('ipykernel').__version__} does not walk thread idents (6.29 does)")
+    me = threading.get_ident()
+    stream = types.SimpleNamespace(_parent_header=contextvars.ContextVar("unset"), _parent_header_global="global",
+                                   _thread_to_parent={me: 1, 1: 2, 2: 1},            # 1 and 2: recycled idents
+                                   _thread_to_parent_header={2: "cell 2"})
+    answer = []
+
+    def walk():                                   # a thread whose parent's ident was recycled into a cycle
+        stream._thread_to_parent[threading.get_ident()] = 1
+        answer.append(prop.fget(stream))
+
+    walker = threading.Thread(target=walk, daemon=True)
+    walker.start()
+    walker.join(timeout=5)
+    assert not walker.is_alive(), "the walk through a cycle of thread idents did not end"
+    assert answer == ["global"]                                    # no header for ident 1: the global fallback
+    stream._thread_to_parent = {me: 1, 1: 2}
+    assert prop.fget(stream) == "cell 2"                          # without a cycle: the oldest ancestor's, as before
