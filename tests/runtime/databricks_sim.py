@@ -216,8 +216,13 @@ if _os.environ.get("DTLAB_SIM_UNITY_CATALOG"):
     _uc = _json.loads(_os.environ["DTLAB_SIM_UNITY_CATALOG"])
     _c, _s, _v = _uc["catalog"], _uc["schema"], _uc["volume"]
     spark.udf.register("is_account_group_member", lambda group: group in _uc["groups"], "boolean")
-    spark.sql(f"CREATE DATABASE IF NOT EXISTS {_s}")
-    spark.sql("CREATE DATABASE IF NOT EXISTS information_schema")
+    import tempfile as _tempfile
+
+    # each session's own folders: a later task's session must not meet an earlier one's files (Spark refuses a
+    # managed table over a folder that exists)
+    _where = _tempfile.mkdtemp(prefix="unity-catalog-", dir=_os.environ["DTLAB_SIM_DRIVER_DIR"])
+    spark.sql(f"CREATE DATABASE IF NOT EXISTS {_s} LOCATION '{_where}/{_s}'")
+    spark.sql(f"CREATE DATABASE IF NOT EXISTS information_schema LOCATION '{_where}/information_schema'")
     _grants = {kind: [(g, p) for g, k, p in _uc["grants"] if k == kind] for kind in ("catalog", "schema", "volume")}
     _tables = {
         "catalog_privileges": ("grantor string, grantee string, catalog_name string, privilege_type string",
