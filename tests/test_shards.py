@@ -5,7 +5,12 @@ sample once per epoch (counted), the same next sample after a resume (also on an
 whole training loop — model, optimizer, data position — resumed bitwise at N = 2 and N = 3.
 """
 
+import hashlib
+import time
+
+import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -96,6 +101,141 @@ def test_the_coverage_claims_fail_for_a_broken_reader(folder):
     forgetful.load_state_dict(stream.state_dict())
     rest = [i for b in forgetful for i in b["id"].tolist()]
     assert shards.coverage(sum(first, []) + rest, 50)["duplicates"] == 20
+
+
+BIG = 11_950
+
+
+def big(tmp_path, n=BIG, block_size=50, name="big", seq=128):
+    """Shards of realistic shape at small size: 8 shards of 1,500 rows of 129 random tokens, in blocks of
+    ``block_size`` rows (so a block is much larger than its entry in the file's footer, as at full size)."""
+    tokens = np.random.default_rng(0).integers(0, 50_000, (n, seq + 1), dtype=np.int32)
+    rows = pa.table({"id": pa.array(np.arange(n)), "tokens": pa.FixedSizeListArray.from_arrays(
+        pa.array(tokens.reshape(-1)), seq + 1).cast(pa.list_(pa.int32()))})
+    shards.write_shards(rows, tmp_path / name, seq_len=seq, tokenizer="tok", rows_per_shard=1500,
+                        block_size=block_size)
+    return tmp_path / name
+
+
+class ContiguousSlices(shards.ShardStream):
+    """A reader that covers the epoch exactly once but gives rank r the r-th contiguous slice of each step (the
+    previous design): every rank reads blocks of every run."""
+
+    def _batch(self, order, start, end):
+        b = -(-(end - start) // self.world_size)
+        positions = np.arange(start + self.rank * b, min(end, start + (self.rank + 1) * b))
+        blocks, rows = order.locate(positions)
+        out = {"id": [], "tokens": []}
+        for k, r in zip(blocks.tolist(), rows.tolist()):
+            ids, tokens, stored = self._block(*order.blocks[k][:2])
+            out["id"].append(ids[r])
+            out["tokens"].append(tokens[r])
+            self.share_bytes += stored / order.blocks[k][2]
+        return {"id": torch.tensor(np.array(out["id"])), "tokens": torch.tensor(np.array(out["tokens"])).long()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_reads_its_own_blocks_and_no_more_than_a_quarter_beyond_its_share(tmp_path, world):
+    folder = big(tmp_path)
+    stored = [pq.ParquetFile(folder / s["file"]).metadata for s in shards.read_index(folder)["shards"]]
+    total = sum(m.row_group(g).column(c).total_compressed_size for m in stored for g in range(m.num_row_groups)
+                for c in range(m.num_columns))                    # the data's stored bytes, footers left out
+    for reader, bound in ((shards.ShardStream, 1.25), (ContiguousSlices, None)):
+        streams = [reader(folder, 5, rank=r, world_size=world) for r in range(world)]
+        ids = [i for step in zip(*streams) for b in step for i in b["id"].tolist()]
+        assert shards.coverage(ids, BIG)["duplicates"] == shards.coverage(ids, BIG)["missing"] == 0
+        ratios = [s.read_bytes / s.share_bytes for s in streams]
+        assert abs(sum(s.share_bytes for s in streams) - total) < 0.01 * total    # the shares add up to the data
+        if bound:
+            assert max(ratios) <= bound, ratios
+        else:
+            assert min(ratios) > 1.5, ratios              # the broken reader fails the same check
+
+
+def test_the_shuffle_is_as_good_as_the_block_or_the_buffer(tmp_path):
+    """Stated in the docstring: without a buffer, consecutive samples of a run come from one block; a buffer of
+    four blocks mixes each window of a block's length across blocks. Both keep the epoch exactly once."""
+    folder = big(tmp_path, n=2400, block_size=10)
+    def blocks_per_window(buffer):
+        stream = shards.ShardStream(folder, 10, rank=0, world_size=1, partitions=1, shuffle_buffer=buffer)
+        ids = np.concatenate([b["id"].numpy() for b in stream])
+        assert shards.coverage(ids, 2400)["missing"] == 0 and len(ids) == 2400
+        windows = ids.reshape(-1, 10) // 10                 # each window's rows -> the block each came from
+        return np.mean([len(set(w)) for w in windows])
+    assert blocks_per_window(0) == 1.0
+    assert blocks_per_window(40) > 3.0
+
+
+@pytest.mark.parametrize("buffer", [0, 32])
+def test_a_resume_on_another_n_reads_every_sample_once_with_or_without_a_buffer(tmp_path, buffer):
+    folder = big(tmp_path)
+    streams = [shards.ShardStream(folder, 6, rank=r, world_size=2, shuffle_buffer=buffer) for r in range(2)]
+    first = [i for _, step in zip(range(50), zip(*streams)) for b in step for i in b["id"].tolist()]
+    state = streams[0].state_dict()
+    assert state["samples_seen"] == 600
+    rest, _ = read_epoch(folder, 3, 4, state, shuffle_buffer=buffer)
+    uninterrupted, _ = read_epoch(folder, 1, 12, shuffle_buffer=buffer)
+    assert sorted(sum(rest[0], [])) == sorted(uninterrupted[50][0])        # the same next global step
+    c = shards.coverage(first + [i for step in rest for rank in step for i in rank], BIG)
+    assert c["duplicates"] == c["missing"] == 0
+
+
+def test_the_next_batches_are_read_while_the_step_runs_and_errors_reach_the_loop(tmp_path):
+    folder = big(tmp_path)
+    stream = shards.ShardStream(folder, 8, rank=0, world_size=1, prefetch=2)
+    batches = iter(stream)
+    next(batches)
+    deadline = time.monotonic() + 10
+    while stream.read_until < stream.samples_seen + 16 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stream.read_until >= stream.samples_seen + 16        # two batches ahead, while "the step" runs
+    for _ in range(2):
+        next(batches)
+    batches.close()                                             # a loop that breaks: the thread stops
+    assert stream.samples_seen == 24
+    again = [b["id"].tolist() for b in stream]                  # continues from what the loop consumed
+    whole = [b["id"].tolist() for b in shards.ShardStream(folder, 8, rank=0, world_size=1, prefetch=0)]
+    assert again == whole[3:]
+    inline = shards.ShardStream(folder, 8, rank=0, world_size=1, prefetch=0)
+    next(iter(inline))
+    assert inline.read_until == inline.samples_seen == 8        # prefetch=0 reads in the step
+    broken = shards.ShardStream(folder, 8, rank=0, world_size=1)
+    for f in folder.glob("data-*/shard-*.parquet"):
+        f.unlink()
+    with pytest.raises(OSError):
+        for _ in broken:
+            pass
+
+
+def test_stream_states_of_another_layout_or_order_are_refused_with_the_fix(tmp_path):
+    folder = big(tmp_path)
+    state = shards.ShardStream(folder, 4, rank=0, world_size=2).state_dict()
+    other = big(tmp_path, block_size=70, name="other")
+    assert shards.read_index(other)["data"] == shards.read_index(folder)["data"]    # the same rows...
+    with pytest.raises(shards.ShardMismatch, match="another block layout.*blocks of 50 rows.*blocks of 70.*"
+                                                   "Fix: .*block_size=50"):
+        shards.ShardStream(other, 4, rank=0, world_size=2).load_state_dict(state)   # ...in other blocks
+    with pytest.raises(shards.ShardMismatch, match="partitions: saved 24, now 12.*Fix"):
+        shards.ShardStream(folder, 4, rank=0, world_size=2, partitions=12).load_state_dict(state)
+    with pytest.raises(shards.ShardMismatch, match="shuffle_buffer: saved 0, now 64"):
+        shards.ShardStream(folder, 4, rank=0, world_size=2, shuffle_buffer=64).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"partitions=24 is not a multiple of world_size=5.*Fix.*= 120"):
+        shards.ShardStream(folder, 4, rank=0, world_size=5)
+
+
+def test_the_index_holds_each_shards_rows_blocks_and_a_hash_of_its_rows(tmp_path):
+    folder = big(tmp_path)
+    index = shards.read_index(folder)
+    assert [s["rows"] for s in index["shards"]] == [1500] * 7 + [1450]
+    for s in index["shards"]:
+        back = pq.read_table(folder / s["file"])                     # read back independently of the writer
+        meta = pq.ParquetFile(folder / s["file"]).metadata
+        assert s["blocks"] == [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        assert max(s["blocks"]) == 50 and s["bytes"] == (folder / s["file"]).stat().st_size
+        tokens = np.stack(back.column("tokens").to_numpy(zero_copy_only=False)).astype(np.int32)
+        assert s["sha"] == hashlib.sha256(hashlib.sha256(back.column("id").to_numpy().tobytes()).digest()
+                                          + hashlib.sha256(tokens.tobytes()).digest()).hexdigest()
+    assert not list(folder.rglob("*.partial"))
 
 
 def test_shards_of_another_tokenizer_length_or_data_set_are_refused_before_training(folder, tmp_path):
@@ -189,3 +329,74 @@ def test_restore_reshards_a_streams_position_but_restarts_a_samplers_epoch(folde
     later = shards.ShardStream(folder, 4, rank=0, world_size=1)
     checkpoint.restore(state, model, loader=later, allow_new_world_size=True)
     assert later.state_dict()["samples_seen"] == 12
+
+
+@pytest.fixture
+def spark():
+    from dtlab import spark as dtspark
+
+    session = dtspark.session(cores=2)
+    yield session
+    dtspark.stop(session)
+
+
+def dataframe(spark, rows):
+    from dtlab import delta
+
+    return delta.dataframe(spark, rows)
+
+
+@pytest.mark.slow
+def test_executors_write_the_shards_and_the_driver_collects_one_line_each(spark, tmp_path):
+    rows = table(500)
+    index = shards.write_shards_from_dataframe(dataframe(spark, rows), tmp_path / "s", seq_len=SEQ, tokenizer="tok",
+                                               shards=3, block_size=16)
+    written = sorted(str(p.relative_to(tmp_path / "s")) for p in (tmp_path / "s").rglob("*.parquet"))
+    assert written == [s["file"] for s in index["shards"]]             # the files the finished tasks wrote
+    ids = [pq.read_table(tmp_path / "s" / s["file"]).column("id").to_pylist() for s in index["shards"]]
+    assert sum(ids, []) == list(range(500))                            # range-split, each sorted
+    assert [s["rows"] for s in index["shards"]] == [len(i) for i in ids]
+    # The executors' hashes equal this process's over the same rows in one shard.
+    one = shards.write_shards_from_dataframe(dataframe(spark, rows), tmp_path / "one", seq_len=SEQ, tokenizer="tok",
+                                             shards=1, block_size=16)
+    here = shards.write_shards(rows, tmp_path / "here", seq_len=SEQ, tokenizer="tok", rows_per_shard=10**6,
+                               block_size=16)
+    assert (one["data"], one["layout"]) == (here["data"], here["layout"])
+
+
+@pytest.mark.slow
+def test_an_interrupted_write_leaves_no_index_and_the_reader_says_so(spark, tmp_path):
+    import threading
+
+    folder = tmp_path / "s"
+    shards.write_shards_from_dataframe(dataframe(spark, table(100)), folder, seq_len=SEQ, tokenizer="tok", shards=2)
+    assert (folder / "index.json").is_file()
+    wide = big(tmp_path, n=24_000, block_size=500, name="source")              # 12 MB to write in 6 shards
+    df = spark.read.parquet(str(next(wide.glob("data-*"))))
+    failed = []
+
+    def write():
+        try:
+            shards.write_shards_from_dataframe(df, folder, seq_len=128, tokenizer="tok", shards=6, block_size=500)
+        except Exception as err:                                           # the cancelled job
+            failed.append(err)
+
+    before = set(folder.glob("data-*/shard-*.parquet"))
+    writer = threading.Thread(target=write)
+    writer.start()
+    deadline = time.monotonic() + 120
+    while not set(folder.glob("data-*/shard-*.parquet")) - before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    spark.sparkContext.cancelAllJobs()                                     # the job dies half-way
+    writer.join()
+    assert failed and list(folder.glob("data-*/shard-*.parquet"))           # some shards were written...
+    assert not (folder / "index.json").exists()                            # ...but no index
+    with pytest.raises(FileNotFoundError, match="a write that did not finish.*Fix"):
+        shards.ShardStream(folder, 4, rank=0, world_size=1)
+    with pytest.raises(shards.ShardMismatch, match=r"rows hold \[9\] tokens.*seq_len \+ 1 = 5"):
+        shards.write_shards_from_dataframe(dataframe(spark, table(100)), folder, seq_len=4, tokenizer="tok")
+    assert not (folder / "index.json").exists()
+    again = shards.write_shards_from_dataframe(dataframe(spark, table(100)), folder, seq_len=SEQ, tokenizer="tok",
+                                               shards=2)
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*.parquet")) == [s["file"] for s in
+                                                                                      again["shards"]]
