@@ -171,6 +171,25 @@ def _snapshot(state: Any) -> Any:
     return state
 
 
+_writer: tuple[Any, Any] = (None, None)          # (the default group it was made beside, the writer's group)
+
+
+def _writer_group() -> Any:
+    """A gloo group of the same ranks for the background writer's own collectives (DCP's planning), created once
+    per default group; a collective, like ``save_async``.
+
+    The writer thread plans the checkpoint with collectives while the training thread goes on with its own. On one
+    group the two threads' calls can reach the group in one order on one rank and the other order on another, and
+    both ranks wait for a collective the other never starts: a run of notebook 13 with 4 ranks on 2 cores hung
+    that way. A group of its own keeps the two streams of collectives apart (torchtitan's and xtuner's async
+    checkpoints create one for the same reason); gloo, because what it moves is small and on the CPU."""
+    global _writer
+    world = dist.group.WORLD
+    if _writer[0] is not world:
+        _writer = (world, dist.new_group(backend="gloo"))
+    return _writer[1]
+
+
 def save_async(folder: str | os.PathLike, state: dict[str, Any], step: int, meta: dict[str, Any] | None = None,
                rename: bool | None = None) -> PendingSave:
     """Start saving ``state`` as step ``step`` and return at once with a ``PendingSave``; a collective.
@@ -185,7 +204,7 @@ def save_async(folder: str | os.PathLike, state: dict[str, Any], step: int, meta
     writing, final, _ = _begin(folder, step, rename)
     copy = _snapshot(state)
     if initialized():
-        future = _dcp(dcp.async_save, copy, writing)
+        future = dcp.async_save(copy, checkpoint_id=str(writing), process_group=_writer_group())
     else:  # one process, no group: torch 2.3's async_save needs one; a thread of our own does the same
         from concurrent.futures import ThreadPoolExecutor
 
