@@ -439,6 +439,7 @@ class ShardStream:
         self._order: EpochOrder | None = None
         self._blocks: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray, int]] = OrderedDict()
         self._files: OrderedDict[int, Any] = OrderedDict()
+        self._footers: dict[int, Any] = {}
 
     def __len__(self) -> int:
         """Steps in a whole epoch."""
@@ -459,10 +460,14 @@ class ShardStream:
             return self._blocks[key]
         import pyarrow.parquet as pq
 
-        if shard not in self._files:
-            self._files[shard] = pq.ParquetFile(self.folder / self.index["shards"][shard]["file"])
-            self.read_bytes += self._files[shard].metadata.serialized_size      # its footer, read on opening
-            if len(self._files) > self.partitions // self.world_size + 2:
+        if shard not in self._files:                       # open files: one per run this rank reads, and a few
+            path = self.folder / self.index["shards"][shard]["file"]
+            footer = self._footers.get(shard)              # each file's footer is read once
+            self._files[shard] = pq.ParquetFile(path, metadata=footer)
+            if footer is None:
+                self._footers[shard] = self._files[shard].metadata
+                self.read_bytes += self._footers[shard].serialized_size
+            if len(self._files) > self.partitions // self.world_size + 4:
                 self._files.popitem(last=False)[1].close()
         self._files.move_to_end(shard)
         file = self._files[shard]
