@@ -71,6 +71,24 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
+def machine_ranks() -> tuple[int, int]:
+    """This rank's place among the ranks on its own machine, ``(local rank, ranks on this machine)``, from the
+    machines' host names (a collective; needs a process group).
+
+    ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` say what the launcher started on one "node", which is not always one
+    machine: ``TorchDistributor(local_mode=False)`` starts every Spark task as its own node of one process, though a
+    4-GPU worker runs four of them. Libraries that share memory between the ranks of a machine (Mosaic Streaming)
+    need the machine. Raises ``ValueError`` where a machine's ranks are not consecutive (such libraries number
+    machines as ``rank // ranks per machine``)."""
+    hosts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    mine = [r for r, h in enumerate(hosts) if h == hosts[dist.get_rank()]]
+    if mine != list(range(mine[0], mine[0] + len(mine))) or len(set(Counter(hosts).values())) != 1:
+        raise ValueError(f"the ranks' machines are {hosts}: not the same number of ranks on each, in consecutive "
+                         "runs. Fix: one process per machine, or TorchDistributor(local_mode=True) on one machine")
+    return mine.index(dist.get_rank()), len(mine)
+
+
 def is_main() -> bool:
     """True on the one process that logs, prints and saves (global rank 0)."""
     return rank() == 0

@@ -173,3 +173,33 @@ def test_all_agree_and_broadcast_object():
     results = run(_agree_and_broadcast, [True, False], nprocs=2)
     assert all(r["agree"] == [True, False] for r in results)
     assert all(r["broadcast"] == {"from": 1} and r["device"] == "cpu" for r in results)
+
+
+def _machine_ranks(hosts):
+    import socket
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if hosts:                                               # a cluster's machines, by name
+        socket.gethostname = lambda: hosts[dist.get_rank()]
+    try:
+        return distributed.machine_ranks()
+    except ValueError as err:
+        return str(err)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("hosts, expected", [
+    (None, [(0, 3), (1, 3), (2, 3)]),                                   # one machine: every rank on it
+    (["a", "a", "b", "b"], [(0, 2), (1, 2), (0, 2), (1, 2)]),           # two machines of two
+    (["a", "b", "a", "b"], "consecutive"),                              # Mosaic would number machines wrongly
+    (["a", "a", "a", "b"], "consecutive"),                              # 3 and 1
+])
+def test_machine_ranks_come_from_the_machines_not_the_launchers_nodes(hosts, expected):
+    out = run(_machine_ranks, hosts, nprocs=len(hosts) if hosts else 3)
+    if isinstance(expected, str):
+        assert all(expected in r and "Fix" in r for r in out), out
+    else:
+        assert out == expected
