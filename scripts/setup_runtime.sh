@@ -57,6 +57,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   t=$SECONDS
   pip_q install --upgrade pip
   install_requirements "$REQUIREMENTS"
+  # Mosaic Streaming where the runtime has it, without the cloud clients it declares (the requirements file's note)
+  MOSAIC_VERSION=$(field mosaicml-streaming)
+  if [ -n "$MOSAIC_VERSION" ] && [ "$MOSAIC_VERSION" != none ]; then
+    pip_q install --no-deps "mosaicml-streaming==$MOSAIC_VERSION"
+  fi
   # (setuptools 68, the runtime's, warns about pyproject.toml support at every editable install)
   PYTHONWARNINGS=ignore pip_q install --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
