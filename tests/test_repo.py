@@ -152,6 +152,38 @@ def test_the_wording_check_leaves_seeds_and_single_process_references_alone(line
     assert not UNSEEN_TEXT.search(line)
 
 
+#: What lesson markdown never says: the course's test files and CI, issue and pull-request numbers, release
+#: history ("hung in earlier releases"). A lesson speaks of the mechanism and of this run; where a version matters it
+#: says what to do on it; the history is in CONTRIBUTING.md and CHANGELOG.md.
+COURSE_HISTORY = re.compile(
+    r"\btests/|\btest_\w+\.py\b|\bCI\b|\b(?:unit|course's) tests?\b|\btest suite\b"
+    r"|\b(?:earlier|older|previous|past) releases?\b|[\w.-]+/[\w.-]+#\d+|\b(?:PR|issue) #\d+"
+    r"|github\.com/[^\s)]+/(?:issues|pull)/\d+", re.IGNORECASE)
+
+
+def test_lesson_markdown_speaks_of_the_mechanism_not_of_the_courses_tests_or_history():
+    found = [f"{path.name} cell {i}: {line.strip()[:100]}" for path in NOTEBOOKS
+             for i, cell in enumerate(json.loads(path.read_text())["cells"]) if cell["cell_type"] == "markdown"
+             for line in "".join(cell["source"]).splitlines() if COURSE_HISTORY.search(line)]
+    assert not found, "say it as the mechanism or as what to do on that version; history goes to CONTRIBUTING.md:\n" \
+        + "\n".join(found)
+
+
+@pytest.mark.parametrize("line", ["see `tests/test_fsdp.py`", "in the course's unit test beside a CPU hog",
+                                  "at step 14 of the CI run", "(M < P hung in earlier releases)",
+                                  "(pytorch/pytorch#132644: a schedule waited)", "fixed by PR #168961",
+                                  "https://github.com/ipython/ipykernel/issues/1269"])
+def test_the_history_check_catches_each_kind(line):
+    assert COURSE_HISTORY.search(line)
+
+
+@pytest.mark.parametrize("line", ["evaluated on the test split", "on torch < 2.8, import dtlab first",
+                                  "Databricks Runtime 15.4 LTS ML (torch 2.3.1)", "CIFAR-10 images, decimal places",
+                                  "the claims below test the run"])
+def test_the_history_check_leaves_lesson_words_alone(line):
+    assert not COURSE_HISTORY.search(line)
+
+
 def _resolve(dotted: str):
     """Import the longest module prefix of ``dotted`` and get the rest as attributes; a name that only a
     deprecation forward still answers (DeprecationWarning) counts as not found."""
