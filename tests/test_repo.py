@@ -219,7 +219,10 @@ def test_every_dtlab_name_a_lesson_or_the_readme_cites_is_a_current_one():
 def test_the_readmes_first_screen_gets_a_newcomer_to_a_running_lesson_and_to_jupyterlab():
     first = (ROOT / "README.md").read_text().splitlines()[:60]
     commands = [line.split("#")[0].strip() for line in first if line.startswith("make ")]
-    assert any(c.startswith("make course NOTEBOOKS=") for c in commands) and "make lab" in commands, commands
+    assert commands[:1] == ["make lab"], "the first command sets up and opens the lessons: " + str(commands)
+    text = "\n".join(first)
+    assert "make course NOTEBOOKS=" in text and all(w in text for w in ("Linux", "macOS", "WSL", "paths", "hours"))
+    assert "make test" not in text and "CI parameters" not in text, "contributor material belongs in CONTRIBUTING"
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^lab: setup-core$", makefile, re.MULTILINE) and "jupyter lab" in makefile
     assert "CONTRIBUTING.md" in "\n".join(first) and (ROOT / "CONTRIBUTING.md").is_file()
