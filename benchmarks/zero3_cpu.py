@@ -1,6 +1,7 @@
 """How often does DeepSpeed ZeRO-3 on CPU processes (gloo) train the wrong weights? (``zero.zero3_cpu_fault``)
 
     .venv-dbr17.3/bin/python benchmarks/zero3_cpu.py [--runs 12] [--nprocs 3] [--thresholds 100000 0]
+                                                     [--wait-every-gather]
 
 Each run launches ``nprocs`` gloo processes (``torch.distributed.run``) that train notebook 21's Llama shape (its
 Databricks job parameters: hidden 48, 2 layers, 3 heads, 1 key/value head, vocabulary 512, 48 tokens) under ZeRO-3
@@ -24,8 +25,20 @@ Measured on the course's CI machine (2 cores), torch 2.7 (Databricks 17.3's stac
 | 0.19.8 | 3 | 100,000 | 0 of 10 |
 
 The wrong runs start at a different step each time (2 to 11) on one rank's forward (an inf or NaN loss there
-first), so something reads memory that was never written; the order of collectives was the same on every rank, and
-with every all-gather made synchronous the fault stayed. It was not traced further.
+first): something reads memory that was never written. The cause (found later): DeepSpeed before 0.19 gathers
+several parameters with one asynchronous all-gather each and waits only for the last launched
+(``_allgather_params_coalesced``); on gloo each runs on its own thread, in no order, so the others can still be
+empty when the parameters are used (deepspeedai/DeepSpeed#8539, which waits for every one). ``--wait-every-gather``
+makes each all-gather DeepSpeed launches finish before it returns, in the workers only:
+
+| DeepSpeed | processes | threshold | all-gathers | runs wrong |
+|---|---:|---:|---|---:|
+| 0.16.5 | 3 | 100,000 | as DeepSpeed launches them | 2 of 8 (2 NaN) |
+| 0.16.5 | 3 | 100,000 | each waited for (``--wait-every-gather``) | 0 of 12 |
+
+(the same session, one after the other; the workers' final gather takes all parameters at once, as the runs above
+did, and is covered by the flag too). The final gather of the weights has the same fault, on any number of
+processes: ``dtlab.parallel.zero.full_state_dict`` gathers one parameter at a time.
 """
 
 from __future__ import annotations
@@ -48,6 +61,15 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 shape, threshold, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+if sys.argv[4:] == ["wait-every-gather"]:     # DeepSpeed waits for each all-gather it launches, as 0.19 does
+    import deepspeed.comm as ds_comm
+    for name in ("all_gather_into_tensor", "all_gather"):
+        def waited(*args, _launch=getattr(ds_comm, name), **kwargs):
+            handle = _launch(*args, **kwargs)
+            if handle is not None:
+                handle.wait()
+            return handle
+        setattr(ds_comm, name, waited)
 deepspeed.init_distributed(dist_backend="gloo")
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 torch.manual_seed(0)
@@ -102,6 +124,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=14)
     ap.add_argument("--nprocs", type=int, default=3)
     ap.add_argument("--thresholds", type=int, nargs="*", default=[100_000, 0])
+    ap.add_argument("--wait-every-gather", action="store_true",
+                    help="make every all-gather DeepSpeed launches finish before it returns (the fault's cause)")
     args = ap.parse_args()
     ref = reference()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -114,7 +138,8 @@ def main() -> None:
                 out = Path(tmp) / f"w{threshold}-{i}.pt"
                 proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nprocs}",
                                 f"--master_port={29700 + i}", str(worker), json.dumps(SHAPE), str(threshold),
-                                str(out)], env=env, capture_output=True, text=True, timeout=300)
+                                str(out), *(["wait-every-gather"] if args.wait_every_gather else [])],
+                                env=env, capture_output=True, text=True, timeout=300)
                 if not out.exists():
                     raise SystemExit(f"run {i} failed:\n{proc.stderr[-6000:]}")
                 got = torch.load(out)

@@ -20,6 +20,7 @@ def train(stage):
 
     from dtlab import ds_config
     from dtlab.parallel import held_elements  # every strategy's one interface: here a DeepSpeed engine
+    from dtlab.parallel.zero import full_state_dict
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -45,8 +46,7 @@ def train(stage):
         held = {**held_elements(engine), "grads": grads}
         if stage == 3:  # gather the shards to compare full weights
             held["whole_on_every_rank"] = sum(bool(getattr(p, "ds_persist", False)) for p in model.parameters())
-            with deepspeed.zero.GatheredParameters(list(model.parameters())):
-                state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            state = full_state_dict(model)      # every rank joins the gathers
             dist.destroy_process_group()
             return {"state": state, "held": held}
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -161,3 +161,16 @@ def test_zero3_on_cpu_processes_is_held_to_one_process_only_where_deepspeed_is_n
     assert zero3_cpu_fault("cpu", "0.14.4") is not None
     assert zero3_cpu_fault("cpu", "0.19.8") is None and zero3_cpu_fault("cpu", "0.20.0+cpu") is None
     assert zero3_cpu_fault("cuda", "0.16.5") is None
+
+
+def test_full_state_dict_copies_a_module_without_deepspeed_and_shares_no_storage_with_it():
+    from dtlab.parallel.zero import full_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    state = full_state_dict(model)
+    assert list(state) == list(model.state_dict())           # buffers too (BatchNorm's running statistics)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    assert not torch.equal(state["0.weight"], model[0].weight)   # a copy, not a view
+    assert not any(t.requires_grad for t in state.values())

@@ -13,7 +13,7 @@ parameters it owns, then broadcasts them so every rank ends the step with the sa
 Gradients must already be averaged (wrap the model in DDP first).
 
 ``held_elements(engine)`` reads how many elements a DeepSpeed engine's rank really holds in each
-category, from the engine's own partitions.
+category, from the engine's own partitions; ``full_state_dict(module)`` gathers its whole weights.
 """
 
 from __future__ import annotations
@@ -194,6 +194,30 @@ def held_elements(engine: Any, optimizer: Any = None) -> dict[str, int]:
     return held
 
 
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's whole state dict, copied to CPU memory; under DeepSpeed ZeRO-3 gathered from every rank.
+
+    Under ZeRO-3 each rank holds only a slice of each parameter (``p.ds_tensor``; ``p`` itself is empty), so reading
+    whole weights is a collective: call this on every rank. Each ZeRO-3 parameter is gathered on its own
+    (``deepspeed.zero.GatheredParameters([p])``). Gathering several at once is what the DeepSpeed tutorials show,
+    but DeepSpeed before 0.19 launches one asynchronous all-gather per parameter and waits only for the last; on
+    CPU processes (gloo) those run on independent threads, so the others can be read before they have arrived:
+    uninitialised memory (a weight of 7e31 in a CI run of notebook 06 with 0.14.4; deepspeedai/DeepSpeed#8539).
+    One at a time is right on every version; on GPUs (nccl, one stream) both are.
+    Modules without DeepSpeed (plain or DDP) are copied as they are.
+    """
+    out = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if hasattr(tensor, "ds_id"):          # a ZeRO-3 parameter: this rank holds a slice
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([tensor]):
+                out[name] = tensor.detach().cpu().clone()
+        else:
+            out[name] = tensor.detach().cpu().clone()
+    return out
+
+
 #: The first DeepSpeed measured to train ZeRO-3 right on CPU processes (``zero3_cpu_fault``).
 ZERO3_CPU_FIXED = (0, 19)
 
@@ -205,9 +229,12 @@ def zero3_cpu_fault(device: str, deepspeed_version: str | None = None) -> str | 
     processes: measured with 0.16.5 (Databricks Runtime 17.3 LTS ML's) on torch 2.7, notebook 21's model ended far
     from one process's (several NaN) in 7 of 12 runs on 3 processes and 3 of 6 on 4, and on 2 in a CI run of the
     job simulation; 0.14.4 (15.4's, torch 2.3) in 3 of 8 on 3; 0.19.8 on the same torch in 0 of 10 on 3
-    (``benchmarks/zero3_cpu.py``). On GPUs (nccl) nothing of this is known. A lesson on such a stack still runs
-    ZeRO-3 (the launch, the arguments, each rank's share hold) but leaves out the comparison with one process,
-    printing this reason.
+    (``benchmarks/zero3_cpu.py``). The cause: to gather several parameters DeepSpeed launches one asynchronous
+    all-gather per parameter and waits only for the last; gloo runs them on separate threads in no set order, so a
+    layer can compute with a parameter whose slices have not arrived (deepspeedai/DeepSpeed#8539 waits for each;
+    with every all-gather waited for, 0.16.5 trained right in 12 runs of 12). On GPUs (nccl runs them in order on
+    one stream) it cannot happen. A lesson on such a stack still runs ZeRO-3 (the launch, the arguments, each
+    rank's share held) but leaves out the comparison with one process, printing this reason.
     """
     if device != "cpu":
         return None
@@ -218,5 +245,6 @@ def zero3_cpu_fault(device: str, deepspeed_version: str | None = None) -> str | 
     major, minor = (int(x) for x in deepspeed_version.split("+")[0].split(".")[:2])
     if (major, minor) >= ZERO3_CPU_FIXED:
         return None
-    return (f"DeepSpeed {deepspeed_version}'s ZeRO-3 on CPU processes sometimes trains wrong weights (measured with "
-            "0.16.5: 7 of 12 runs on 3 processes, 3 of 6 on 4, and on 2 too). Fix: DeepSpeed >= 0.19, or GPUs")
+    return (f"DeepSpeed {deepspeed_version}'s ZeRO-3 on CPU processes sometimes trains wrong weights: it reads "
+            "parameters before their gloo all-gathers end (measured with 0.16.5: 7 of 12 runs on 3 processes, 3 of 6 "
+            "on 4, and on 2 too). Fix: DeepSpeed >= 0.19, or GPUs")
