@@ -4,7 +4,8 @@
 each notebook's ``claims.json``, ``environment.json``) into a website in ``site/`` with Sphinx,
 MyST-NB and the Sphinx Book Theme: a home page with the course map, one page per notebook in
 course order with its outputs and plots, a header on each saying how that page was produced
-(parameters, machine, date, status) and its claims with their measured values, and the ``dtlab``
+(parameters, machine, date, status) and its claims with their measured values, the course's glossary
+(``notebooks/glossary.ipynb``, one entry per term, which the lessons link to), and the ``dtlab``
 API reference from its docstrings. A notebook that failed is published with its failure at the top.
 Everything the pages load comes from the installed packages: the site builds and reads offline,
 from the file system or any static server.
@@ -148,6 +149,74 @@ def _fold_method_cells(nb: dict[str, Any]) -> int:
     return hidden
 
 
+#: The glossary: a Markdown-only notebook beside the lessons (so JupyterLab and Databricks open it as they open a
+#: lesson), one cell per term, each opening with the term as a ``## `` heading.
+GLOSSARY = "glossary.ipynb"
+#: A lesson's link to a glossary entry, ``[text](glossary.ipynb#Anchor)``: the anchor is the one JupyterLab gives the
+#: entry's heading (``heading_anchor``).
+GLOSSARY_LINK = re.compile(r"\]\(glossary\.ipynb#([^)\s]+)\)")
+#: A link to a heading of the same notebook, ``[text](#Anchor)`` (JupyterLab's anchors too).
+PAGE_LINK = re.compile(r"\]\(#([^)\s]+)\)")
+
+
+def heading_anchor(heading: str) -> str:
+    """The anchor JupyterLab gives a Markdown heading (its text, spaces made dashes): ``## Device mesh`` is
+    ``#Device-mesh``. Lessons link to glossary entries and to their own sections with it."""
+    return heading.strip().lstrip("#").strip().replace("`", "").replace(" ", "-")
+
+
+def site_anchor(anchor: str) -> str:
+    """The anchor MyST gives the same heading on the website (GitHub's slugs, ``myst_heading_anchors``): lower case,
+    spaces made dashes, punctuation other than dashes and underscores dropped."""
+    return re.sub(r"[^\w\u4e00-\u9fff\- ]", "", anchor.lower().replace(" ", "-"))
+
+
+def glossary_entries(path: str | os.PathLike) -> dict[str, str]:
+    """The glossary's entries, ``{anchor: entry's Markdown}``, in the glossary's order."""
+    nb = json.loads(Path(path).read_text())
+    entries = {}
+    for cell in nb["cells"]:
+        text = "".join(cell["source"])
+        if cell["cell_type"] == "markdown" and text.startswith("## "):
+            entries[heading_anchor(text.splitlines()[0])] = text
+    return entries
+
+
+def _glossary_page(path: Path, published: set[str]) -> str:
+    """The glossary as a page of the site: every entry under its heading; a link to a lesson this run did not
+    publish becomes the lesson's name."""
+    def lesson(m: re.Match) -> str:
+        return m.group(0) if m.group(2) in published else m.group(1)
+
+    nb = json.loads(path.read_text())
+    text = "\n\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    return re.sub(r"\[([^\]]+)\]\(((?:\d\d_\w+))\.ipynb\)", lesson, text) + "\n"
+
+
+def _site_links(nb: dict[str, Any], glossary: bool = True) -> int:
+    """Point a lesson's links at the site's pages: a glossary link to the glossary page's entry (or, when the site has
+    no glossary, its text alone), a link to one of its own headings to that heading's anchor on its page. Returns
+    how many glossary links it rewrote."""
+    count = 0
+
+    def to_glossary(m: re.Match) -> str:
+        nonlocal count
+        count += 1
+        return f"](glossary.md#{site_anchor(m.group(1))})"
+
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "markdown":
+            continue
+        text = "".join(cell["source"])
+        if glossary:
+            text = GLOSSARY_LINK.sub(to_glossary, text)
+        else:
+            count += len(GLOSSARY_LINK.findall(text))
+            text = re.sub(r"\[([^\]]+)\]\(glossary\.ipynb#[^)\s]+\)", r"\1", text)
+        cell["source"] = PAGE_LINK.sub(lambda m: f"](#{site_anchor(m.group(1))})", text)
+    return count
+
+
 def _readme_section(readme: Path, heading: str) -> str:
     """A section of the README; its links to the repository's other Markdown files (not pages of the site)
     become their names, said to be in the repository."""
@@ -196,6 +265,7 @@ project = "Distributed training, runnable"
 author = "dtlab"
 extensions = ["myst_nb"]
 myst_enable_extensions = ["colon_fence"]
+myst_heading_anchors = 3             # lessons link to the glossary's entries and to their own sections
 nb_execution_mode = "off"            # the run already executed every notebook
 nb_merge_streams = True
 html_theme = "sphinx_book_theme"
@@ -210,13 +280,16 @@ exclude_patterns = ["_build"]
 
 
 def build(run_dir: str | os.PathLike, out: str | os.PathLike = "site", readme: str | os.PathLike = "README.md",
-          work: str | os.PathLike = "build/site-source", quiet: bool = True) -> Path:
-    """Build the website of ``run_dir`` into ``out`` and return ``out``.
+          work: str | os.PathLike = "build/site-source", quiet: bool = True,
+          glossary: str | os.PathLike | None = None) -> Path:
+    """Build the website of ``run_dir`` into ``out`` and return ``out``. ``glossary`` is the glossary notebook
+    (default: ``notebooks/glossary.ipynb`` beside ``readme``); without one the lessons' glossary links become text.
 
     Raises:
         SiteError: the run folder has no ``summary.json``, or Sphinx / MyST-NB is not installed.
     """
     run_dir, out, work, readme = Path(run_dir), Path(out), Path(work), Path(readme)
+    glossary = Path(glossary) if glossary else readme.resolve().parent / "notebooks" / GLOSSARY
     if not (run_dir / "summary.json").exists():
         raise SiteError(f"{run_dir} is not a finished course run (no summary.json). Fix: `make course` "
                         "(or `dtlab course run --ci`), then `make site`; or name a folder under runs/.")
@@ -251,6 +324,7 @@ def build(run_dir: str | os.PathLike, out: str | os.PathLike = "site", readme: s
         else:
             nb["cells"].insert(0, header)
         hidden = _fold_method_cells(nb)
+        _site_links(nb, glossary=glossary.exists())
         (work / f"{name}.ipynb").write_text(json.dumps(nb))
         manifest[f"{name}.html"] = {"notebook": name, "status": result["status"], "plots": _plots(nb),
                                     "hidden": hidden}
@@ -264,12 +338,16 @@ def build(run_dir: str | os.PathLike, out: str | os.PathLike = "site", readme: s
              "## The course", "", _course_map(readme, set(manifest_name[:-5] for manifest_name in manifest)), "",
              "## Run it yourself", "", _readme_section(readme, "## Start here"), "",
              "## Build it: the graded exercises", "", _readme_section(readme, "## Build it: the graded exercises"), "",
-             "The helper package's reference: [the dtlab API](api.md).", "",
+             "The helper package's reference: [the dtlab API](api.md)."
+             + (" The course's terms: [the glossary](glossary.md)." if glossary.exists() else ""), "",
              "```{toctree}", ":hidden:", ":caption: Notebooks", "",
              *[n[:-5] for n in manifest], "", "```", "",
-             "```{toctree}", ":hidden:", ":caption: Reference", "", "api", "```", ""]
+             "```{toctree}", ":hidden:", ":caption: Reference", "", "api",
+             *(["glossary"] if glossary.exists() else []), "```", ""]
     (work / "index.md").write_text("\n".join(index))
     (work / "api.md").write_text(_api_page())
+    if glossary.exists():  # checked through the lessons' links to it (`check` fails a link to a missing anchor)
+        (work / "glossary.md").write_text(_glossary_page(glossary, {name[:-5] for name in manifest}))
     manifest["index.html"] = {"notebook": None, "status": "ok", "plots": 0}
     manifest["api.html"] = {"notebook": None, "status": "ok", "plots": 0}
 
