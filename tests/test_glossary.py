@@ -160,32 +160,11 @@ def test_the_check_finds_a_first_use_that_is_not_linked():
     assert first_use("Rank", [("0", 0, "# Ranks\n`x = rank`, then a [rank](glossary.ipynb#Rank)")])[3].start() > 20
 
 
-#: Cells still over the limit, by lesson and first line: each needs a rewrite, not a split (a Build-it statement must
-#: stay one cell before its stub; the grader's cases belong in a table). The list only shrinks: a cell here that is
-#: short enough, or gone, fails the test below until its line is removed.
-NOT_YET_SHORT = {
-    ("02_collectives", "## Build it: a ring all-reduce from blocking `send` and `recv`"),
-    ("03_ddp", "## Build it: DDP with gradient buckets"),
-    ("06_deepspeed_zero", "## Build it: ZeRO-1, the optimizer state sharded"),
-    ("10_checkpoints_and_faults", "# 10 · Checkpoints and faults"),
-    ("10_checkpoints_and_faults", "Four details make the resume exact. `training_state` gathers"),
-    ("10_checkpoints_and_faults", "One more thing a restart needs: torchrun keeps one key-value"),
-    ("12_fsdp", "## Build it: FSDP's three operations on one flat parameter"),
-    ("14_tensor_parallelism", "## Build it: column- and row-parallel linear layers"),
-    ("15_pipeline_parallelism", "## Build it: the 1F1B schedule"),
-    ("16_context_and_expert_parallelism", "# 16 · Context and expert parallelism"),
-    ("16_context_and_expert_parallelism", "## Build it: the online-softmax merge"),
-    ("17_composing_parallelism", "Read the rules off the tables rather than memorising them (t"),
-    ("19_activation_recomputation", "## Build it: selective recomputation by hand"),
-}
-
-
 def test_every_lesson_markdown_cell_is_at_most_150_words_of_prose():
-    over = {(lesson, text.splitlines()[0][:60]): f"{lesson} cell {i}: {n} words"
-            for lesson, i, text in _markdown_cells() if (n := prose_words(text)) > MAX_PROSE_WORDS}
-    stale = {key[:1] + (key[1][:60],) for key in NOT_YET_SHORT} - set(over)
-    assert not stale, f"short enough now (or gone): remove from NOT_YET_SHORT: {sorted(stale)}"
-    long = [where for key, where in over.items() if key not in {k[:1] + (k[1][:60],) for k in NOT_YET_SHORT}]
+    """A Build-it statement stays one cell before its exercises (the grader's cases in a table); any other cell is
+    split at a natural break, or its enumeration made a table."""
+    long = [f"{lesson} cell {i}: {n} words" for lesson, i, text in _markdown_cells()
+            if (n := prose_words(text)) > MAX_PROSE_WORDS]
     assert not long, (f"split these at a natural break, or make an enumeration a table (at most {MAX_PROSE_WORDS} "
                       "words of prose without a table, a picture or code between):\n" + "\n".join(long))
 
