@@ -11,6 +11,13 @@ exists and must be reused), and otherwise starts ``local[cores]`` with what a la
 
 Spark code in the course must also run on Databricks Runtime 15.4 LTS ML (Spark 3.5); nothing
 here uses a newer API.
+
+**Spark Connect.** Serverless compute and standard (shared) access mode clusters give a notebook a Spark
+Connect session: a client of a Spark server elsewhere, with DataFrames and SQL but no ``sparkContext`` (no JVM
+beside this Python), so nothing that reads Spark's configuration or schedules barrier tasks (TorchDistributor
+with ``local_mode=False``, ``horovod.spark``) can run there. ``is_connect`` tells the two apart by the session's
+class; ``classic_problem`` says why a cell steps aside. ``DTLAB_SPARK_REMOTE=local[2]`` makes ``session()``
+start a local Spark Connect server and return its session, to see a lesson as serverless compute runs it.
 """
 
 from __future__ import annotations
@@ -77,11 +84,16 @@ def session(cores: int | None = None, gpus: int = 0, app_name: str = "dtlab-cour
     active = SparkSession.getActiveSession()
     if active is not None:
         return active
-    existed = SparkContext._active_spark_context is not None   # getOrCreate would return it: not ours to stop
-    cores = cores or os.cpu_count() or 2
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    remote = os.environ.get("DTLAB_SPARK_REMOTE")
+    if remote:                         # a Spark Connect session, as serverless compute gives (module docstring)
+        spark = SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
+        _OWNED.add(id(spark))
+        return spark
+    existed = SparkContext._active_spark_context is not None   # getOrCreate would return it: not ours to stop
+    cores = cores or os.cpu_count() or 2
     log4j = _write("log4j2.properties", _LOG4J)
     builder = (SparkSession.builder.master(f"local[{cores}]").appName(app_name)
                .config("spark.ui.enabled", "false")
@@ -99,7 +111,37 @@ def session(cores: int | None = None, gpus: int = 0, app_name: str = "dtlab-cour
     return spark
 
 
-#: The SparkContexts ``session`` started: the only ones ``stop`` stops.
+def is_connect(spark) -> bool:
+    """Whether ``spark`` is a Spark Connect session (serverless compute, a standard access mode cluster), which has
+    no ``sparkContext``; False for a classic session (a dedicated cluster, a local Spark)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def classic_problem(spark, what: str) -> str | None:
+    """Why ``what`` cannot run on ``spark`` because it is a Spark Connect session, or None (a classic session).
+
+    ``what`` names the part of the lesson that steps aside, e.g. "TorchDistributor". The message says what to
+    run the lesson on instead.
+    """
+    if not is_connect(spark):
+        return None
+    return (f"skipped: {what} needs a classic Spark session (its SparkContext, a JVM beside this Python); this is "
+            "a Spark Connect session (serverless compute, or a standard access mode cluster), which has none. Fix: "
+            "run this lesson on a dedicated cluster: Databricks Runtime 18 LTS ML, clusters/g5-12xlarge-single-"
+            "node.yml, or the course's job (databricks bundle run dtlab_course)")
+
+
+class SparkConnectUnsupported(RuntimeError):
+    """A classic-Spark-only call on a Spark Connect session; the message names the fix (``classic_problem``)."""
+
+
+def _require_classic(spark, what: str) -> None:
+    problem = classic_problem(spark, what)
+    if problem:
+        raise SparkConnectUnsupported(problem.removeprefix("skipped: "))
+
+
+#: The SparkContexts (and Spark Connect sessions) ``session`` started: the only ones ``stop`` stops.
 _OWNED: set[int] = set()
 
 
@@ -111,6 +153,7 @@ def task_slots(spark) -> int:
     """How many Spark tasks can run at once: the default parallelism (a local master's cores, a cluster's
     executor cores) over ``spark.task.cpus``. A barrier stage (``TorchDistributor(local_mode=False)``,
     ``horovod.spark.run``) needs one slot per process, all at once."""
+    _require_classic(spark, "counting task slots")
     sc = spark.sparkContext
     return sc.defaultParallelism // max(1, int(sc.getConf().get("spark.task.cpus", "1")))
 
@@ -122,9 +165,15 @@ def require_slots(spark, processes: int) -> None:
     (``BarrierJobSlotsNumberCheckFailed``: 40 tries, 15 s apart), deep in a Java stack, and ``horovod.spark.run``
     waits for its tasks until ``start_timeout`` (600 s).
 
+    On a Spark Connect session the slots cannot be read (no SparkContext): it prints a note and checks nothing.
+
     Raises:
         NotEnoughSlots: ``processes`` is more than ``task_slots(spark)``.
     """
+    if is_connect(spark):
+        print(f"note: Spark Connect does not say how many tasks its server runs at once: {processes} barrier tasks "
+              "are not checked against it here (Spark refuses a stage that can never fit after 10 minutes)")
+        return
     slots = task_slots(spark)
     if processes > slots:
         raise NotEnoughSlots(f"{processes} processes need {processes} Spark tasks running at once (a barrier stage), "
@@ -142,8 +191,12 @@ def gpu_problem(spark, local_mode: bool) -> str | None:
     * ``local_mode=True`` gives each process one of the *driver's* GPUs, which the driver must
       advertise to Spark (a ``gpu`` resource, ``spark.driver.resource.gpu.amount``).
 
-    The message says what happens instead in the lesson and how to fix the cluster.
+    The message says what happens instead in the lesson and how to fix the cluster. On a Spark Connect session
+    (serverless compute) it is ``classic_problem``'s: TorchDistributor cannot run there at all.
     """
+    connect = classic_problem(spark, "TorchDistributor")
+    if connect:
+        return connect
     conf = dict(spark.sparkContext.getConf().getAll())
     return gpu_problem_of(conf, set(spark.sparkContext.resources), local_mode)
 
@@ -186,6 +239,13 @@ def stop(spark, force: bool = False) -> bool:
     stopped anything."""
     from pyspark import SparkContext
 
+    if is_connect(spark):                # no SparkContext; stopping a local remote session stops its local server
+        if id(spark) not in _OWNED and not force:
+            print("dtlab.spark.stop: this Spark Connect session was not started by dtlab.spark.session: left running")
+            return False
+        _OWNED.discard(id(spark))
+        spark.stop()
+        return True
     if id(spark.sparkContext) not in _OWNED and not force:
         print("dtlab.spark.stop: this Spark session was not started by dtlab.spark.session (on Databricks it is "
               "the cluster's): left running")
