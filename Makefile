@@ -2,9 +2,9 @@
 # make site: the newest run as a website in site/.  make lab: the lessons in JupyterLab with the course's kernel.
 # Each sets up .venv first (idempotent). make test builds Horovod and DeepSpeed's ops at once (cached); make course
 # and make lab build neither until a lesson that imports one runs (notebooks 00-04 need neither).
-# make test-runtime RUNTIME=17.3 (the default) or RUNTIME=15.4: that Databricks Runtime LTS ML's stack in
+# make test-runtime RUNTIME=18 (the default), RUNTIME=15.4 or RUNTIME=17.3: that Databricks Runtime LTS ML's stack in
 # .venv-dbr<RUNTIME>, the notebooks whose second run belongs to it as simulated Databricks job tasks
-# (tests/variants.py), and the tests marked `cluster` (code a cluster runs). CI runs both.
+# (tests/variants.py), and the tests marked `cluster` (code a cluster runs). CI runs 18 and 15.4.
 # make test-quick: the inner loop (no notebooks, nothing marked `slow`).
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export PYSPARK_PYTHON := $(abspath $(PY))
 export SPARK_LOCAL_IP ?= 127.0.0.1
 
-RUNTIME ?= 17.3
+RUNTIME ?= 18
 RUNTIME_VENV ?= .venv-dbr$(RUNTIME)
 RPY := $(RUNTIME_VENV)/bin/python
 

@@ -167,7 +167,8 @@ def global_batch(per_rank: int, *worlds: int) -> int:
 #: Library versions of the Databricks runtimes the course targets, as shipped (requirements-dbr<runtime>.txt
 #: pins the same, with their sources; tests/test_environment.py checks they agree). ``dtlab env`` on a
 #: cluster reports any installed version that differs: usually requirements.txt installed over the runtime.
-#: (17.3's MLflow is mlflow-skinny 3.0.1: the ``mlflow`` distribution there is that one.)
+#: (17.3's and 18's MLflow is mlflow-skinny: the ``mlflow`` distribution there is that one. 18 LTS has point releases,
+#: 18.0 to 18.2, with the same libraries: ``DATABRICKS_RUNTIME_VERSION`` 18.2 matches "18".)
 DATABRICKS_RUNTIME_STACKS: dict[str, dict[str, str]] = {
     "15.4": {"torch": "2.3.1", "pyspark": "3.5.0", "mlflow": "2.13.1", "numpy": "1.23.5", "pandas": "1.5.3",
              "pyarrow": "14.0.1", "ipywidgets": "7.7.2", "cloudpickle": "2.2.1", "matplotlib": "3.7.2",
@@ -175,6 +176,9 @@ DATABRICKS_RUNTIME_STACKS: dict[str, dict[str, str]] = {
     "17.3": {"torch": "2.7.0", "pyspark": "4.0.0", "mlflow": "3.0.1", "numpy": "2.1.3", "pandas": "2.2.3",
              "pyarrow": "19.0.1", "ipywidgets": "7.8.1", "cloudpickle": "3.0.0", "matplotlib": "3.10.0",
              "scikit-learn": "1.6.1", "deepspeed": "0.16.5", "transformers": "4.51.3"},
+    "18": {"torch": "2.9.0", "pyspark": "4.1.0", "mlflow": "3.8.1", "numpy": "2.1.3", "pandas": "2.2.3",
+           "pyarrow": "21.0.0", "ipywidgets": "7.8.1", "cloudpickle": "3.0.0", "matplotlib": "3.10.0",
+           "scikit-learn": "1.6.1", "deepspeed": "0.18.1", "transformers": "4.57.1", "deltalake": "1.1.4"},
 }
 
 

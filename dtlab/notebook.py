@@ -98,9 +98,10 @@ class RuntimeMismatch(RuntimeError):
 
 
 def check_databricks_runtime(spark: Any = None, version: str | None = None) -> str:
-    """The cluster's runtime (``17.3.x-gpu-ml-scala2.13``); raise for a non-ML runtime.
+    """The cluster's runtime (``18.x-gpu-ml-scala2.13``); raise for a non-ML runtime.
 
-    The course targets Databricks Runtime 17.3 LTS ML and 15.4 LTS ML (the last with Horovod, notebook 05); on
+    The course targets Databricks Runtime 18 LTS ML (any of its point releases, 18.0-18.2) and 15.4 LTS ML (the last
+    with Horovod, notebook 05), and keeps 17.3 LTS ML's library versions (not run in CI); on
     another ML runtime it prints which of its lessons' version-gated cells to expect skipped or untested.
 
     ``version`` defaults to the cluster's ``spark.databricks.clusterUsageTags.sparkVersion``.
@@ -116,14 +117,14 @@ def check_databricks_runtime(spark: Any = None, version: str | None = None) -> s
     if "-ml-" not in version:
         raise RuntimeMismatch(f"this cluster runs Databricks Runtime {version}, which is not an ML runtime: the course "
                               "needs PyTorch, MLflow and TorchDistributor from Databricks Runtime ML. Fix: edit the "
-                              "cluster (or the job cluster in databricks.yml) to 17.3.x-gpu-ml-scala2.13, "
-                              "Databricks Runtime 17.3 LTS ML for GPUs (15.4.x-gpu-ml-scala2.12 for Horovod).")
+                              "cluster (or the job cluster in databricks.yml) to 18.x-gpu-ml-scala2.13, "
+                              "Databricks Runtime 18 LTS ML for GPUs (15.4.x-gpu-ml-scala2.12 for Horovod).")
     if "-gpu-" not in version:
         print(f"note: {version} is a CPU runtime: the lessons run CPU processes with gloo (use "
-              "17.3.x-gpu-ml-scala2.13 on a GPU node to run them on GPUs).")
+              "18.x-gpu-ml-scala2.13 on a GPU node to run them on GPUs).")
     major_minor = version.split(".x")[0]
-    if major_minor not in ("15.4", "17.3"):
-        print(f"note: the course is tested on Databricks Runtime 17.3 and 15.4 LTS ML, not {major_minor}: a lesson may "
+    if major_minor != "15.4" and major_minor.split(".")[0] != "18":
+        print(f"note: the course is tested on Databricks Runtime 18 and 15.4 LTS ML, not {major_minor}: a lesson may "
               "meet library versions it was not run with (`dtlab env` lists them).")
     return version
 

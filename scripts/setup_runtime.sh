@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a Databricks Runtime LTS ML Python stack as a test target, idempotently:
-#   RUNTIME=17.3 bash scripts/setup_runtime.sh     (or 15.4; `make test-runtime RUNTIME=...` calls this)
+#   RUNTIME=18 bash scripts/setup_runtime.sh     (or 15.4, 17.3; `make test-runtime RUNTIME=...` calls this)
 # ${VENV:-.venv-dbr$RUNTIME} with requirements-dbr$RUNTIME.txt (that runtime's library versions, each with its
 # source) and dtlab, DeepSpeed with its C++ ops and, where the runtime has it (15.4 only), Horovod (each built
 # once, cached as wheels next to the main stack's), and a Jupyter kernel named python3. The requirements file's
@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-RUNTIME=${RUNTIME:-17.3}
+RUNTIME=${RUNTIME:-18}
 REQUIREMENTS=requirements-dbr$RUNTIME.txt
 VENV=${VENV:-.venv-dbr$RUNTIME}
 say() { printf '[runtime] %s\n' "$*"; }

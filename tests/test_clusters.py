@@ -173,8 +173,9 @@ def test_the_horovod_lesson_has_a_job_on_the_last_runtime_with_horovod_and_the_c
     runtime = horovod["job_clusters"][0]["new_cluster"]["spark_version"]
     assert runtime == "${var.horovod_spark_version}"
     assert doc["variables"]["horovod_spark_version"]["default"].startswith("15.4.x-gpu-ml-")
-    assert doc["variables"]["spark_version"]["default"].startswith("17.3.x-gpu-ml-")
+    assert doc["variables"]["spark_version"]["default"].startswith("18.x-gpu-ml-")     # 18 LTS's newest point release
     assert doc["targets"]["dbr15_4"]["variables"]["spark_version"].startswith("15.4.x-gpu-ml-")
+    assert doc["targets"]["dbr17_3"]["variables"]["spark_version"].startswith("17.3.x-gpu-ml-")
 
 
 def test_the_bundle_deploys_into_the_deployers_own_folder():
@@ -182,7 +183,8 @@ def test_the_bundle_deploys_into_the_deployers_own_folder():
 
     doc = clusters.load(ROOT / "databricks.yml")
     assert doc["workspace"]["root_path"].startswith("/Workspace/Users/${workspace.current_user.userName}/")
-    assert all(t.get("mode") == "development" for t in doc["targets"].values())
+    assert {name for name, t in doc["targets"].items() if t.get("mode") != "development"} == {"prod"}
+    assert all("root_path" not in (t.get("workspace") or {}) for t in doc["targets"].values())   # prod: the SP's own
     assert shared_path_problems(doc) == []
 
 
@@ -296,9 +298,10 @@ def test_shared_folders_are_told_apart_from_personal_ones():
 
 
 @pytest.mark.slow
-def test_the_init_script_installs_the_newest_wheel_in_a_folder_and_names_the_fix_for_an_empty_one(tmp_path):
-    """As on a cluster whose DTLAB_SOURCE is a volume folder: the newest dtlab-*.whl there is installed, without
-    dependencies and without building; a folder with neither a wheel nor the repository fails with the fix."""
+def test_the_init_script_installs_only_the_pinned_wheel_and_names_the_fix_otherwise(tmp_path):
+    """As on a cluster whose DTLAB_SOURCE is a wheel in a volume: installed without dependencies and without building
+    when its sha256 is the pinned one; refused, with the fix, without a pin, with another file's, or for a folder."""
+    import hashlib
     import os
     import subprocess
     import sys
@@ -309,16 +312,135 @@ def test_the_init_script_installs_the_newest_wheel_in_a_folder_and_names_the_fix
     volume.mkdir()
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(volume), str(ROOT)], check=True, timeout=300, capture_output=True)
+    (wheel,) = volume.glob("dtlab-*.whl")
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     script = ROOT / "clusters" / "init" / "install-dtlab.sh"
-    env = {"PATH": os.environ["PATH"], "DTLAB_PIP": str(venv / "bin" / "pip"), "DTLAB_SOURCE": str(volume),
+    env = {"PATH": os.environ["PATH"], "DTLAB_PIP": str(venv / "bin" / "pip"), "DTLAB_SOURCE": str(wheel),
            "PIP_NO_INDEX": "1"}                                  # nothing may come from an index
-    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
+
+    def install(**changes):
+        return subprocess.run(["bash", str(script)], env={**env, **changes}, capture_output=True, text=True,
+                              timeout=300)
+
+    out = install()
+    assert out.returncode == 1 and "DTLAB_WHEEL_SHA256 unset" in out.stderr and "Fix: dtlab clusters pin-wheel" \
+        in out.stderr
+    out = install(DTLAB_WHEEL_SHA256="0" * 64)
+    assert out.returncode == 1 and f"has sha256 {digest}, not the pinned" in out.stderr and "Fix:" in out.stderr
+    out = install(DTLAB_SOURCE=str(volume), DTLAB_WHEEL_SHA256=digest)   # a folder: "the newest" is not a pin
+    assert out.returncode == 1 and "not a dtlab wheel file nor a folder with this repository" in out.stderr
+    shown = subprocess.run([str(venv / "bin" / "pip"), "show", "dtlab"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode != 0, "nothing installed by the refused runs"
+    out = install(DTLAB_WHEEL_SHA256=digest)
     assert out.returncode == 0, out.stderr
-    assert "dtlab: installing " + str(volume) in out.stdout and "installed" in out.stdout
+    assert f"dtlab: installing {wheel} (sha256 {digest})" in out.stdout and "installed" in out.stdout
     shown = subprocess.run([str(venv / "bin" / "pip"), "show", "dtlab"], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "Name: dtlab" in shown.stdout
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    out = subprocess.run(["bash", str(script)], env={**env, "DTLAB_SOURCE": str(empty)}, capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 1 and "Fix: build the wheel" in out.stderr and "dist/dtlab-*.whl" in out.stderr
+
+
+def _bundle_with(tmp_path, change):
+    """The course's databricks.yml with ``change(doc)`` applied, written beside its notebooks' folder."""
+    import shutil
+
+    import yaml
+
+    doc = clusters.load(ROOT / "databricks.yml")
+    change(doc)
+    shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns("*.md", ".*"))
+    shutil.copytree(ROOT / "clusters", tmp_path / "clusters")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "dtlab", tmp_path / "dtlab", ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp_path / "databricks.yml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return "\n".join(clusters.validate(path))
+
+
+def test_the_course_bundle_passes_a_platform_teams_rules():
+    from dtlab.tooling.clusters.governance import bundle_governance_problems
+
+    doc = clusters.load(ROOT / "databricks.yml")
+    assert bundle_governance_problems(doc) == []
+    assert "default" not in doc["variables"]["policy_id"]          # each deploy names its policy
+    prod = doc["targets"]["prod"]
+    assert prod["mode"] == "production" and prod["run_as"] == {"service_principal_name": "${var.service_principal}"}
+    assert prod["permissions"]
+
+
+@pytest.mark.parametrize("break_it, expected", [
+    (lambda d: d["resources"]["jobs"]["dtlab_course"]["job_clusters"][0]["new_cluster"].pop("policy_id"),
+     "dtlab_course.job_clusters.0.\\.new_cluster.policy_id: no cluster policy.*Fix: policy_id: \\$\\{var.policy_id\\}"),
+    (lambda d: d["variables"]["policy_id"].update(default="ABC123"),
+     "variables.policy_id.default: one workspace's policy ID.*Fix: leave the default out"),
+    (lambda d: d["targets"]["prod"].pop("run_as"),
+     "targets.prod.run_as: a production target that runs as whoever deploys it.*Fix: run_as: "
+     "\\{service_principal_name"),
+    (lambda d: d["targets"]["prod"].update(run_as={"user_name": "someone@example.com"}),
+     "targets.prod.run_as: .*Fix: run_as: \\{service_principal_name"),
+    (lambda d: d["targets"]["prod"].pop("permissions"),
+     "targets.prod.permissions: nobody but the deployer.*Fix: permissions:"),
+    (lambda d: d["bundle"].pop("databricks_cli_version"),
+     "bundle.databricks_cli_version: the bundle's artifacts need Databricks CLI 0.245.0.*nothing stops an older"),
+    (lambda d: d["bundle"].update(databricks_cli_version=">= 0.218.0"),
+     "bundle.databricks_cli_version: .*0.245.0 or later, and this allows older ones"),
+    (lambda d: d["resources"]["jobs"]["dtlab_course"]["job_clusters"][0]["new_cluster"]["spark_env_vars"].update(
+        DTLAB_SOURCE="/Volumes/main/dtlab/files"),
+     "spark_env_vars.DTLAB_SOURCE: /Volumes/main/dtlab/files is a volume folder.*Fix: `dtlab clusters pin-wheel"),
+], ids=["no-policy", "policy-default", "prod-no-run-as", "prod-runs-as-a-user", "prod-no-permissions",
+        "no-cli-version", "old-cli-version", "unpinned-volume-folder"])
+def test_the_validator_refuses_what_a_platform_team_refuses_and_names_the_fix(tmp_path, break_it, expected):
+    import re
+
+    text = _bundle_with(tmp_path, break_it)
+    assert re.search(expected, text), text
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"DTLAB_SOURCE": "/Volumes/main/dtlab/files"}, "is a volume folder"),
+    ({"DTLAB_SOURCE": "/Volumes/main/dtlab/files/dtlab-0.1.0-py3-none-any.whl"},
+     "DTLAB_WHEEL_SHA256: the init script installs .* without checking"),
+    ({"DTLAB_SOURCE": "/Volumes/main/dtlab/files/dtlab-0.1.0-py3-none-any.whl", "DTLAB_WHEEL_SHA256": "abc"},
+     "DTLAB_WHEEL_SHA256"),
+    ({"DTLAB_SOURCE": "git+https://github.com/someone/dtlab.git@main"}, "follows a branch.*Fix: end the URL with @"),
+    ({"DTLAB_SOURCE": "/Volumes/main/dtlab/files/dtlab-0.1.0-py3-none-any.whl", "DTLAB_WHEEL_SHA256": "a" * 64}, None),
+    ({"DTLAB_SOURCE": "git+https://github.com/someone/dtlab.git@" + "0123456789abcdef" * 2 + "01234567"}, None),
+    ({"DTLAB_SOURCE": "/Workspace/Users/someone@example.com/dtlab"}, None),
+], ids=["volume-folder", "wheel-without-sha", "bad-sha", "git-branch", "pinned-wheel", "git-commit", "own-folder"])
+def test_code_installed_as_root_must_be_pinned(env, expected):
+    import re
+
+    from dtlab.tooling.clusters.governance import source_problems
+
+    problems = source_problems({"spark_env_vars": env})
+    if expected is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and re.search(expected, problems[0]), problems
+
+
+def test_pin_wheel_writes_the_exact_file_and_its_sha256_and_the_file_then_validates(tmp_path):
+    import hashlib
+    import shutil
+
+    from dtlab.tooling.clusters.governance import pin_wheel
+
+    wheel = tmp_path / "dtlab-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"not really a wheel, but bytes to hash")
+    cluster = tmp_path / "g5.yml"
+    shutil.copy(ROOT / "clusters" / "g5-12xlarge-single-node.yml", cluster)
+    lines = pin_wheel(wheel, "/Volumes/main/dtlab/files", [cluster])
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    env = clusters.load(cluster)["spark_env_vars"]
+    assert env["DTLAB_SOURCE"] == "/Volumes/main/dtlab/files/dtlab-0.1.0-py3-none-any.whl"
+    assert env["DTLAB_WHEEL_SHA256"] == digest and lines[1].endswith(digest)
+    assert clusters.validate(cluster) == []
+    assert "# Which dtlab the init script below installs" in cluster.read_text()     # the comments kept
+    with pytest.raises(ValueError, match="not a Unity Catalog volume folder"):
+        pin_wheel(wheel, "/Shared/dtlab", [cluster])
+    from dtlab.tooling import cli
+
+    assert cli.main(["clusters", "pin-wheel", str(wheel), "--volume", "/Volumes/c/s/v", str(cluster)]) == 0
+    assert clusters.load(cluster)["spark_env_vars"]["DTLAB_SOURCE"] == "/Volumes/c/s/v/" + wheel.name
+    assert cli.main(["clusters", "pin-wheel", str(wheel), "--volume", "/tmp/x", str(cluster)]) == 2
+    with pytest.raises(ValueError, match="not a dtlab wheel"):
+        pin_wheel(tmp_path / "g5.yml", "/Volumes/main/dtlab/files", [cluster])

@@ -67,16 +67,19 @@ def test_a_cluster_without_an_ml_runtime_is_refused_with_the_fix(capsys):
     from dtlab.notebook import RuntimeMismatch, check_databricks_runtime
 
     with pytest.raises(RuntimeMismatch,
-                       match="not an ML runtime.*Fix: .*17.3.x-gpu-ml-scala2.13.*15.4.x-gpu-ml-scala2.12 for Horovod"):
+                       match="not an ML runtime.*Fix: .*18.x-gpu-ml-scala2.13.*15.4.x-gpu-ml-scala2.12 for Horovod"):
         apply_databricks_widgets({"epochs": 3, "dbutils": DbUtils({}), "spark": Spark("15.4.x-scala2.12")},
                                  ["epochs"])
     assert check_databricks_runtime(Spark("15.4.x-cpu-ml-scala2.12")) == "15.4.x-cpu-ml-scala2.12"
     assert "CPU runtime" in capsys.readouterr().out
     assert check_databricks_runtime(Spark("15.4.x-gpu-ml-scala2.12")) == "15.4.x-gpu-ml-scala2.12"
-    assert check_databricks_runtime(Spark("17.3.x-gpu-ml-scala2.13")) == "17.3.x-gpu-ml-scala2.13"
-    assert "not 16.4" not in capsys.readouterr().out
+    assert check_databricks_runtime(Spark("18.x-gpu-ml-scala2.13")) == "18.x-gpu-ml-scala2.13"
+    assert check_databricks_runtime(Spark("18.2.x-gpu-ml-scala2.13")) == "18.2.x-gpu-ml-scala2.13"   # a point release
+    assert "tested on" not in capsys.readouterr().out
     check_databricks_runtime(Spark("16.4.x-gpu-ml-scala2.12"))
-    assert "tested on Databricks Runtime 17.3 and 15.4 LTS ML, not 16.4" in capsys.readouterr().out
+    assert "tested on Databricks Runtime 18 and 15.4 LTS ML, not 16.4" in capsys.readouterr().out
+    check_databricks_runtime(Spark("17.3.x-gpu-ml-scala2.13"))        # its libraries pinned, its lessons not run in CI
+    assert "not 17.3" in capsys.readouterr().out
 
 
 def test_a_widget_of_the_wrong_type_names_the_parameter_and_a_value_that_works():

@@ -3,10 +3,13 @@
 #
 # Referenced by the cluster definitions in clusters/*.yml and by the job cluster in databricks.yml
 # (init_scripts -> workspace -> destination). It reads, from the cluster's spark_env_vars:
-#   DTLAB_SOURCE     where dtlab is: a Unity Catalog volume folder holding the wheel you built
-#                    (`python3 -m pip wheel --no-deps -w dist .`, copied there; the newest dtlab-*.whl is
-#                    installed), a workspace folder holding this repository (a Git folder or a `databricks
-#                    sync` copy, in your own user folder), or a pip URL such as git+https://github.com/<you>/dtlab.git@main.
+#   DTLAB_SOURCE     where dtlab is: the wheel you built (`python3 -m pip wheel --no-deps -w dist .`), by its
+#                    exact file in a Unity Catalog volume, with DTLAB_WHEEL_SHA256 (checked before installing;
+#                    `dtlab clusters pin-wheel` writes both); a workspace folder holding this repository (a Git
+#                    folder or a `databricks sync` copy, in your own user folder); or a pip URL at a commit,
+#                    git+https://github.com/<you>/dtlab.git@<commit sha>. Not a folder of wheels: "the newest
+#                    one there" would let anyone who may write to that folder choose what runs here as root.
+#   DTLAB_WHEEL_SHA256  the wheel's sha256 (sha256sum): a wheel whose bytes differ is refused.
 #                    Never a folder every workspace user can write (/Shared, /Workspace/Shared, DBFS): this
 #                    script runs as root; `dtlab clusters validate` refuses such paths.
 #                    Unset (the bundle's job cluster): dtlab comes as the tasks' library, the wheel the
@@ -53,16 +56,26 @@ case "$DTLAB_SOURCE" in
     src="$DTLAB_SOURCE"
     # Bundles and older CLIs write workspace paths with or without the /Workspace mount prefix.
     [[ -e "$src" || "$src" == /Workspace/* || "$src" == /Volumes/* ]] || src="/Workspace${src}"
-    wheel=""
-    if [[ -f "$src" && "$src" == *.whl ]]; then
-      wheel="$src"
-    elif [[ -d "$src" ]]; then   # the newest dtlab wheel in the folder (a volume), if any
-      wheel="$(find "$src" -maxdepth 1 -name 'dtlab-*.whl' -printf '%T@ %p\n' | sort -n | tail -1 | cut -d' ' -f2-)"
-    fi
-    if [[ -n "$wheel" ]]; then
-      # A wheel: nothing to build, nothing downloaded.
-      echo "dtlab: installing ${wheel}"
-      "$PIP" install --quiet --no-deps "$wheel"
+    if [[ "$src" == *.whl ]]; then
+      # A wheel, pinned by its sha256: nothing to build, nothing downloaded, nothing installed that differs.
+      if [[ ! -f "$src" ]]; then
+        echo "dtlab: no wheel ${src}. Fix: copy it there (databricks fs cp dist/<the wheel> dbfs:${src%/*}/)" >&2
+        exit 1
+      fi
+      want="${DTLAB_WHEEL_SHA256:-}"
+      got="$(sha256sum "$src" | cut -d' ' -f1)"
+      if [[ -z "$want" ]]; then
+        echo "dtlab: DTLAB_WHEEL_SHA256 unset: ${src} is not installed unchecked. Fix: dtlab clusters pin-wheel" \
+             "<the wheel> --volume ${src%/*} <the cluster file> (writes its sha256)" >&2
+        exit 1
+      fi
+      if [[ "$got" != "$want" ]]; then
+        echo "dtlab: ${src} has sha256 ${got}, not the pinned ${want}: it was replaced or rebuilt. Fix: pin the" \
+             "wheel you built again (dtlab clusters pin-wheel) and copy that one there" >&2
+        exit 1
+      fi
+      echo "dtlab: installing ${src} (sha256 ${got})"
+      "$PIP" install --quiet --no-deps "$src"
       echo "dtlab: installed"
     elif [[ -f "$src/pyproject.toml" ]]; then
       # Build from a local copy: pip writes build files next to the source, and the workspace
@@ -74,9 +87,9 @@ case "$DTLAB_SOURCE" in
       "$PIP" install --quiet --no-deps --no-build-isolation "$build"
       echo "dtlab: installed"
     else
-      echo "dtlab: neither a dtlab wheel nor pyproject.toml in ${src}. Fix: build the wheel (python3 -m pip wheel" \
-           "--no-deps -w dist .) and copy dist/dtlab-*.whl there, or put this repository there (a Git folder)," \
-           "or set DTLAB_SOURCE in the cluster's spark_env_vars." >&2
+      echo "dtlab: ${src} is not a dtlab wheel file nor a folder with this repository (pyproject.toml). Fix:" \
+           "name the wheel file itself and its sha256 (dtlab clusters pin-wheel dist/dtlab-*.whl --volume" \
+           "<volume folder> <the cluster file>), or put this repository there (a Git folder of your own)." >&2
       exit 1
     fi
     ;;

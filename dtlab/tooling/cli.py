@@ -11,6 +11,9 @@
                                                 run notebooks headless into runs/<timestamp>/
     dtlab clusters validate [PATH ...]          check cluster files and databricks.yml offline
                                                 (default: clusters/*.yml and databricks.yml)
+    dtlab clusters pin-wheel WHEEL --volume DIR FILE ...
+                                                write the wheel's exact path in DIR and its sha256 into
+                                                cluster files (what their init script installs as root)
     dtlab site [RUN] [--out site] [--no-check]  the newest course run (or RUN) as a website in site/,
                                                 then every page checked in headless Chromium
 
@@ -271,6 +274,21 @@ def _clusters_validate(args: argparse.Namespace) -> int:
     return 1 if invalid else 0
 
 
+def _clusters_pin_wheel(args: argparse.Namespace) -> int:
+    from dtlab.tooling import clusters
+
+    try:
+        lines = clusters.pin_wheel(args.wheel, args.volume, args.files)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"dtlab clusters pin-wheel: {exc}", file=sys.stderr)
+        return 2
+    for path in args.files:
+        print(f"pinned   {path}: " + ", ".join(lines))
+    print(f"then: databricks fs cp {args.wheel} dbfs:{args.volume.rstrip('/')}/  (the same file: its sha256 is "
+          "checked on every node)")
+    return 0
+
+
 def _bucket(text: str) -> str:
     """``--bucket-mb``: a positive number of MB, or "megatron"."""
     if text == "megatron":
@@ -340,6 +358,11 @@ def parser() -> argparse.ArgumentParser:
     val = clusub.add_parser("validate", help="validate with databricks-bundles' strict models and GPU rules")
     val.add_argument("paths", nargs="*", help="YAML files (default: clusters/*.yml and databricks.yml)")
     val.set_defaults(func=_clusters_validate)
+    pin = clusub.add_parser("pin-wheel", help="pin the dtlab wheel (exact file and sha256) in cluster files")
+    pin.add_argument("wheel", help="the wheel you built: dist/dtlab-<version>-py3-none-any.whl")
+    pin.add_argument("--volume", required=True, help="the Unity Catalog volume folder it goes to, /Volumes/<c>/<s>/<v>")
+    pin.add_argument("files", nargs="+", help="cluster files whose DTLAB_SOURCE and DTLAB_WHEEL_SHA256 to write")
+    pin.set_defaults(func=_clusters_pin_wheel)
     return p
 
 

@@ -1,6 +1,6 @@
 """A Databricks job, simulated on this machine from the project's own files.
 
-What the course meets on a Databricks Runtime 15.4 or 17.3 LTS ML single-node job cluster, and how each is
+What the course meets on a Databricks Runtime 15.4 or 18 LTS ML (or 17.3) single-node job cluster, and how each is
 reproduced here (the runtime's Python stack itself is the venv ``make test-runtime RUNTIME=...`` builds):
 
 * **job parameters arrive as widgets**: a ``dbutils`` object whose ``widgets.get`` returns each task's
@@ -61,8 +61,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The runtime simulated: ``make test-runtime RUNTIME=...`` (DTLAB_TEST_RUNTIME), whose stack runs this.
-RUNTIME_VERSION = os.environ.get("DTLAB_TEST_RUNTIME", "17.3")
-SPARK_VERSION_TAG = {"15.4": "15.4.x-gpu-ml-scala2.12", "17.3": "17.3.x-gpu-ml-scala2.13"}[RUNTIME_VERSION]
+RUNTIME_VERSION = os.environ.get("DTLAB_TEST_RUNTIME", "18")
+SPARK_VERSION_TAG = {"15.4": "15.4.x-gpu-ml-scala2.12", "17.3": "17.3.x-gpu-ml-scala2.13",
+                     "18": "18.x-gpu-ml-scala2.13"}[RUNTIME_VERSION]
 #: From Databricks Runtime 16.2 a notebook in the workspace can be read as a file (its source).
 NOTEBOOKS_ARE_FILES = tuple(map(int, RUNTIME_VERSION.split("."))) >= (16, 2)
 #: Workspace folders a fresh workspace has (the parents MLflow accepts).

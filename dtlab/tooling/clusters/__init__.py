@@ -17,6 +17,9 @@ package checks the course's files offline, in two layers, one concern per file:
   literal credentials in any file (only ``{{secrets/scope/key}}``).
 * ``sharing.py`` — no init script, code source or bundle folder where every workspace user can write
   (``/Shared``, ``/Workspace/Shared``, DBFS): a Unity Catalog volume or your own folder instead.
+* ``governance.py`` — what a platform team asks: job clusters under a policy, a production target run as a
+  service principal with permissions, the CLI version the bundle's features need, code installed as root
+  pinned (a wheel by name and sha256: ``pin_wheel``).
 * ``files.py`` — ``load``, ``validate``, ``check`` one file; ``find_root``, ``default_paths``.
 * ``offer.py`` — ``offers``: what a cluster file gives a job (nodes, GPUs, memory, bandwidths).
 * ``problems.py`` — how a problem is worded, and ``ClusterConfigError``.
@@ -30,6 +33,7 @@ From the shell: ``dtlab clusters validate [PATH ...]`` (default: ``clusters/*.ym
 
 from dtlab.tooling.clusters.bundle import bundle_notes
 from dtlab.tooling.clusters.files import check, default_paths, find_root, load, validate
+from dtlab.tooling.clusters.governance import pin_wheel
 from dtlab.tooling.clusters.offer import Offer, offers
 from dtlab.tooling.clusters.problems import ClusterConfigError
 from dtlab.tooling.clusters.rules import GPU_NODE_TYPES, NodeType, cluster_problems, is_single_node, node_type
@@ -37,6 +41,6 @@ from dtlab.tooling.clusters.schema import BUNDLES_PIN, schema_problems
 from dtlab.tooling.clusters.sharing import shared_path_problems
 
 __all__ = ["BUNDLES_PIN", "GPU_NODE_TYPES", "ClusterConfigError", "NodeType", "Offer", "bundle_notes", "check",
-           "cluster_problems",
-           "default_paths", "find_root", "is_single_node", "load", "node_type", "offers", "schema_problems",
+           "cluster_problems", "default_paths", "find_root", "is_single_node", "load", "node_type", "offers",
+           "pin_wheel", "schema_problems",
            "shared_path_problems", "validate"]

@@ -1,8 +1,8 @@
 """Reading and checking files: ``load``, ``validate``, ``check``; and finding the repository's files.
 
 ``validate`` reads a cluster file or a bundle and runs both layers (``schema``: the strict models;
-``rules`` / ``bundle``: the course's rules), plus the credential scan and the shared-folder scan
-(``sharing``), on it.
+``rules`` / ``bundle``: the course's rules), plus the credential scan, the shared-folder scan
+(``sharing``) and a platform team's rules (``governance``: policies, production targets, pinned code), on it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.tooling.clusters.bundle import bundle_problems, secret_problems
+from dtlab.tooling.clusters.governance import bundle_governance_problems, source_problems
 from dtlab.tooling.clusters.problems import ClusterConfigError
 from dtlab.tooling.clusters.rules import cluster_problems
 from dtlab.tooling.clusters.schema import model_problems, strict_models
@@ -65,9 +66,9 @@ def validate(path: str | Path) -> list[str]:
         return [f"{path}: expected a YAML mapping (key: value lines), got {type(doc).__name__}. "
                 "Fix: see clusters/g5-12xlarge-single-node.yml for the shape"]
     if "bundle" in doc or "resources" in doc:
-        problems = bundle_problems(doc, path)
+        problems = bundle_problems(doc, path) + bundle_governance_problems(doc)
     else:
-        problems = model_problems(Cluster, doc, "") or cluster_problems(doc)
+        problems = (model_problems(Cluster, doc, "") or cluster_problems(doc)) + source_problems(doc)
     problems += secret_problems(doc) + shared_path_problems(doc)
     return [f"{path}: {p}" for p in problems]
 
