@@ -11,6 +11,8 @@ from dtlab.tooling.clusters import bundle
 
 BUNDLE = """
 bundle: {name: unreadable-notebooks}
+variables:
+  policy_id: {description: the cluster policy, given at deploy}
 resources:
   jobs:
     course:
@@ -18,6 +20,7 @@ resources:
       job_clusters:
         - job_cluster_key: gpu
           new_cluster:
+            policy_id: ${var.policy_id}
             spark_version: 15.4.x-gpu-ml-scala2.12
             node_type_id: g5.12xlarge
             num_workers: 0
