@@ -347,6 +347,12 @@ def test_torch_pipelining_is_refused_with_the_version_where_it_would_hang(monkey
         assert pipelining.problem("nccl") == ""
         monkeypatch.setattr(pipelining.torch, "__version__", "2.8.0")
         assert pipelining.problem("gloo") == ""
+        for aborts in ("2.9.0+cu128", "2.12.1"):     # measured aborting on 2.9.0 (gloo size mismatch)
+            monkeypatch.setattr(pipelining.torch, "__version__", aborts)
+            assert "abort" in pipelining.problem("gloo") and "Fix: nccl" in pipelining.problem("gloo")
+            assert pipelining.problem("nccl") == ""
+        monkeypatch.setattr(pipelining.torch, "__version__", "2.13.0")
+        assert pipelining.problem("gloo") == ""
     monkeypatch.setattr(pipelining, "AVAILABLE", False)
     monkeypatch.setattr(pipelining.torch, "__version__", "2.3.1+cpu")
     with pytest.raises(RuntimeError, match="needs torch >= 2.4"):

@@ -16,6 +16,12 @@ imported they run on gloo on torch 2.7.0 too (Databricks Runtime 17.3 LTS ML). D
   ``torch.distributed.pipelining.PipelineStage`` (what ``dtlab.parallel.pipeline.idle_fraction`` and
   ``plot_timeline`` read, once wrapped in a ``StepResult``).
 
+On torch 2.9.0 (Databricks Runtime 18 LTS ML) a 2-stage ``ScheduleGPipe`` on gloo aborts at its first step:
+gloo receives 8 bytes where it posted 4 ("Received data size doesn't match expected size"), the stages' shape
+exchange (``send_object_list``) and the schedule's sends crossing. torch 2.13 runs the same code; 2.8 and
+2.10-2.12 were not measured, so ``problem`` refuses gloo from 2.9 up to 2.13 (``GLOO_FAILS``). nccl on GPUs
+is not affected.
+
 The interleaved schedule (``ScheduleInterleaved1F1B``: several stages per rank) needs what the others
 need: ``problem(backend)`` is its guard too (checked here on torch 2.13; not run on 2.8-2.12).
 """
@@ -31,6 +37,8 @@ from dtlab._compat import PIPELINING_WAITS_ALL, _version
 
 #: The torch version from which the pipeline schedules run on gloo without hanging (without dtlab's mend).
 NEEDS_TORCH_GLOO = PIPELINING_WAITS_ALL
+#: torch versions whose schedules abort on gloo: measured on 2.9.0, running on 2.13 (between: not measured).
+GLOO_FAILS = ((2, 9), (2, 13))
 
 try:
     import torch.distributed.pipelining  # noqa: F401
@@ -48,6 +56,10 @@ def problem(backend: str) -> str:
     if backend == "gloo" and _version() < NEEDS_TORCH_GLOO and not waits_on_whole_batches():
         return (f"on gloo, torch {torch.__version__}'s pipeline schedules can hang (pytorch/pytorch#132644, fixed in "
                 "2.8). Fix: torch >= 2.8, nccl on GPUs, or dtlab.parallel.pipeline")
+    if backend == "gloo" and GLOO_FAILS[0] <= _version() < GLOO_FAILS[1]:
+        return (f"on gloo, torch {torch.__version__}'s pipeline schedules abort at the first step (gloo receives "
+                "more bytes than it posted for: measured on 2.9.0; 2.13 runs). Fix: nccl on GPUs, torch >= 2.13, "
+                "or dtlab.parallel.pipeline")
     return ""
 
 

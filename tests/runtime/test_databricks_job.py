@@ -132,6 +132,8 @@ SKIPPED_ON = {
     "18": {
         # Horovod is not on 16.0 ML and later: notebook 10's Horovod restart section says so
         "10_checkpoints_and_faults": ["Horovod section skipped: horovod is not installed"],
+        # torch 2.9's pipeline schedules abort on gloo (a size mismatch; pipelining.GLOO_FAILS): nccl is not affected
+        "15_pipeline_parallelism": ["skipped: on gloo, torch 2.9.0"],
         # torch's context_parallel swaps the fused CUDA attention kernels: a GPU path on every torch
         "16_context_and_expert_parallelism": ["skipped: context_parallel replaces the fused CUDA attention kernels"],
         # FSDP2's HSDP on CPU processes was measured to fail on torch 2.7 and run on 2.13 (fsdp2.hsdp_problem)
