@@ -64,6 +64,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNTIME_VERSION = os.environ.get("DTLAB_TEST_RUNTIME", "18")
 SPARK_VERSION_TAG = {"15.4": "15.4.x-gpu-ml-scala2.12", "17.3": "17.3.x-gpu-ml-scala2.13",
                      "18": "18.x-gpu-ml-scala2.13"}[RUNTIME_VERSION]
+#: DATABRICKS_RUNTIME_VERSION on the cluster: 18 LTS's clusters run a point release and say which (MLflow parses
+#: "major.minor" from it: a bare "18" raises "Failed to parse databricks runtime version").
+RUNTIME_VERSION_VARIABLE = {"18": "18.2"}.get(RUNTIME_VERSION, RUNTIME_VERSION)
 #: From Databricks Runtime 16.2 a notebook in the workspace can be read as a file (its source).
 NOTEBOOKS_ARE_FILES = tuple(map(int, RUNTIME_VERSION.split("."))) >= (16, 2)
 #: Workspace folders a fresh workspace has (the parents MLflow accepts).
@@ -709,7 +712,10 @@ class Job:
         cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
                "--backend-store-uri", f"dtlab-workspace:///{db}", "--registry-store-uri", f"sqlite:///{db}",
                "--no-serve-artifacts", "--default-artifact-root", (self.folder / "mlartifacts").as_uri(),
-               "--app-name", "databricks-sim"]
+               "--app-name", "databricks-sim",
+               # the simulated workspace is a Flask app: gunicorn serves it (MLflow 3.5+ would default to uvicorn, an
+               # ASGI server, which cannot call a Flask app: every request answered 500)
+               "--gunicorn-opts", "--graceful-timeout 5"]
         env = {**os.environ, "PYTHONPATH": str(self.server_site), "DTLAB_SIM_API_TOKEN": self.token,
                "DTLAB_SIM_FOLDERS": ":".join(EXISTING_FOLDERS), "DTLAB_SIM_USER": USER,
                "DTLAB_SIM_UC_ROOT": str(self.folder / "uc-storage"),
@@ -742,7 +748,7 @@ class Job:
         path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
                                if p and Path(p).resolve() != Path(runtime_bin).resolve())
         return {
-            "DATABRICKS_RUNTIME_VERSION": RUNTIME_VERSION,
+            "DATABRICKS_RUNTIME_VERSION": RUNTIME_VERSION_VARIABLE,
             "DB_IS_DRIVER": "TRUE",
             "PATH": path or "/usr/bin:/bin",
             "PYTHONPATH": os.pathsep.join([str(self.site), str(self.libraries)]),
