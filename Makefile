@@ -4,7 +4,8 @@
 # and make lab build neither until a lesson that imports one runs (notebooks 00-04 need neither).
 # make test-runtime RUNTIME=18 (the default), RUNTIME=15.4 or RUNTIME=17.3: that Databricks Runtime LTS ML's stack in
 # .venv-dbr<RUNTIME>, the notebooks whose second run belongs to it as simulated Databricks job tasks
-# (tests/variants.py), and the tests marked `cluster` (code a cluster runs). CI runs 18 and 15.4.
+# (tests/variants.py), and the fast tests marked `cluster` (code a cluster runs; the slow ones, multi-process and
+# Spark runs, stay on the course's stack: CI's time). CI runs 18 and 15.4.
 # make test-quick: the inner loop (no notebooks, nothing marked `slow`).
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -60,7 +61,7 @@ setup-runtime:
 test-runtime: export PYSPARK_PYTHON := $(abspath $(RPY))
 test-runtime: export DTLAB_TEST_RUNTIME := $(RUNTIME)
 test-runtime: setup-runtime
-	@bash scripts/test_phases.sh $(RPY) "cluster and not runtime and not alone" "runtime or (cluster and alone)" tests $(PYTEST_ARGS)
+	@bash scripts/test_phases.sh $(RPY) "cluster and not runtime and not alone and not slow" "runtime or (cluster and alone)" tests $(PYTEST_ARGS)
 
 # Grade every mutant of the exercises' references: kill rates and survivors in markdown (EXERCISES=... for some).
 mutants: setup-core
