@@ -101,23 +101,6 @@ def test_each_lesson_runs_as_a_databricks_job_task(job, task):
     assert sorted(p.name for p in folder.iterdir()) == before, f"{task.key} wrote into the workspace folder"
 
 
-@pytest.mark.timeout(1200)
-@pytest.mark.skipif(test_runtime() != "15.4", reason="the capstone is one of the job's tasks on 18 (and 17.3)")
-def test_the_capstone_runs_on_this_stack_too_with_unity_catalog_and_workers(job, tmp_path):
-    """Issue 50: notebook 21's Unity Catalog and local_mode=False branches on 15.4 as well (DDP on torch 2.3,
-    MLflow 2.13's transformers flavour and Unity Catalog client), not only where its second run belongs. With its
-    CI parameters and without the solutions (its second run, on 18, has the other parameters and the solutions):
-    the branches are the same, for less of CI's time (220 s on its 2 cores)."""
-    from dtlab.tooling import runner as course
-
-    notebook = ROOT / "notebooks" / "21_from_table_to_registered_model.ipynb"
-    widgets = {**{k: str(v) for k, v in course.ci_parameters(notebook).items()}, **UNITY_CATALOG,
-               "local_mode": "False"}
-    result = job.run(Task("nb21_capstone", notebook, {}), widgets, solutions=False)
-    assert result.status == "ok", f"failed at cell {result.failing_cell}: {result.error}\n{result.output}"
-    assert not result.leftovers, result.leftovers
-
-
 def test_the_job_summary_lists_every_lesson(job, tmp_path):
     """The job's last task (run_if ALL_DONE) reports each lesson; here from the results above."""
     from dtlab.tooling import jobs
