@@ -121,7 +121,7 @@ def _lesson_parameter_sets(path):
     from dtlab.tooling import runner as course
 
     ci = course.ci_parameters(path)
-    return {"defaults": {}, "ci": ci, "alt": {**ci, **course.alt_parameters(path)}}
+    return {"defaults": {}, "ci": ci, "second": {**ci, **course.second_parameters(path)}}
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 4, 8])

@@ -183,6 +183,12 @@ def alt_parameters(path: Path) -> dict[str, Any]:
     return dict(meta.get("dtlab", {}).get("alt_parameters", {}))
 
 
+def second_parameters(path: Path) -> dict[str, Any]:
+    """What a notebook's second run sets over its CI parameters: its ``alt_parameters`` with its
+    ``edge_parameters`` over them, so that one run reaches both other values and the edge of the range."""
+    return {**alt_parameters(path), **edge_parameters(path)}
+
+
 def without_solutions(path: Path, out: Path) -> Path:
     """Write ``path`` to ``out`` without its exercise-solution cells (tag ``solution``); return ``out``."""
     nb = json.loads(Path(path).read_text())
@@ -232,7 +238,7 @@ def run_one(path: Path, run_dir: Path, params: dict[str, Any] | None = None, ci:
             env: dict[str, str] | None = None, inject_parameters: bool = True) -> Result:
     """Execute one notebook into ``run_dir`` (also its working directory) and return the Result.
 
-    ``ci`` uses the notebook's CI parameters, ``alt`` adds its second parameter set on top,
+    ``ci`` uses the notebook's CI parameters, ``alt`` adds its second run's on top (``second_parameters``),
     ``params`` override both. ``solutions=True`` also runs the exercise solutions.
     A cell running longer than ``cell_timeout`` seconds stops the notebook (a hang becomes a failure).
     ``cwd``, ``kernel_name``, ``env`` (added to the kernel's environment) and
@@ -244,7 +250,7 @@ def run_one(path: Path, run_dir: Path, params: dict[str, Any] | None = None, ci:
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
-    merged = {**(ci_parameters(path) if ci else {}), **(alt_parameters(path) if alt else {}), **(params or {})}
+    merged = {**(ci_parameters(path) if ci else {}), **(second_parameters(path) if alt else {}), **(params or {})}
     out = run_dir / path.name
     source = path if solutions else without_solutions(path, run_dir / f".{path.stem}.input.ipynb")
     run_id = uuid.uuid4().hex

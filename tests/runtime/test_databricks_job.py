@@ -75,10 +75,11 @@ def _workspace_get(job, path: str, token: str | None = None) -> tuple[int, dict]
 
 
 def _other_widgets(task: Task) -> dict[str, str]:
-    """The notebook's other parameters over its CI ones, as strings (widgets)."""
+    """The notebook's second-run parameters (other values, and the edge of their range) over its CI ones, as
+    strings (widgets)."""
     from dtlab.tooling import runner as course
 
-    merged = {**course.ci_parameters(task.notebook), **course.alt_parameters(task.notebook)}
+    merged = {**course.ci_parameters(task.notebook), **course.second_parameters(task.notebook)}
     if "catalog" in course.notebook_parameters(task.notebook):   # the capstone: the workspace's Unity Catalog places
         merged.update(UNITY_CATALOG)
     return {k: str(v) for k, v in merged.items()}
@@ -318,7 +319,12 @@ def test_unity_catalog_places_are_checked_and_a_model_registered_there_loads_by_
     """Issue 50: the capstone's Unity Catalog branch. The catalog's places and privileges are checked before any
     write (a missing CREATE MODEL is refused with its GRANT); a model registers in Unity Catalog's registry
     (databricks-uc: its files uploaded through the workspace's presigned URLs) under an alias, and a process
-    where `import dtlab` fails loads it by that alias and gives the logged model's answer."""
+    where `import dtlab` fails loads it by that alias and gives the logged model's answer.
+
+    On the stack that runs the capstone as a job task (18) the capstone's own run does all this but the refusal,
+    with its model (`UNITY_CATALOG` widgets, `local_mode=False`): this test runs where it does not (15.4)."""
+    if any(t.notebook.stem.startswith("21") for t in TASKS):
+        pytest.skip("the capstone's job task on this stack registers in Unity Catalog and serves without dtlab")
     out = _run_in_the_job(job, tmp_path, """
 import os, subprocess, sys
 import numpy as np, torch
