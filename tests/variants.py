@@ -2,10 +2,10 @@
 
 Every notebook runs with its CI parameters on the newest stack (``make test``). The second run, with
 the notebook's ``alt_parameters`` over its CI ones (3 processes where it takes ``nprocs``, other batch
-sizes and epochs), its ``edge_parameters`` over those (Part 2: degrees of 1, 4 processes; once a third run
-on the newest stack, merged here for CI's time) and its collapsed solution cells, happens once, as a task of the simulated Databricks
-job (``tests/runtime/test_databricks_job.py``), on the stack of the Databricks runtime a learner runs that
-lesson on:
+sizes and epochs), its ``edge_parameters`` over those (Part 2: degrees of 1, 4 processes; once a third
+run on the newest stack, merged here for CI's time) and its collapsed solution cells, happens once, as a
+task of the simulated Databricks job (``tests/runtime/test_databricks_job.py``), on the stack of the
+Databricks runtime a learner runs that lesson on:
 
 * **15.4 LTS ML** (torch 2.3, Spark 3.5, MLflow 2.13): Part 1, notebooks 00-09 and 11. Horovod (05) exists
   only there (16.0 ML and later do not preinstall it), and Part 1 is what a learner on an older workspace runs;
