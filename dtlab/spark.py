@@ -135,7 +135,13 @@ class SparkConnectUnsupported(RuntimeError):
     """A classic-Spark-only call on a Spark Connect session; the message names the fix (``classic_problem``)."""
 
 
-def _require_classic(spark, what: str) -> None:
+def require_classic(spark, what: str) -> None:
+    """Refuse ``what`` on a Spark Connect session, with ``classic_problem``'s message (what to run it on instead);
+    nothing on a classic session.
+
+    Raises:
+        SparkConnectUnsupported: ``spark`` is a Spark Connect session.
+    """
     problem = classic_problem(spark, what)
     if problem:
         raise SparkConnectUnsupported(problem.removeprefix("skipped: "))
@@ -153,7 +159,7 @@ def task_slots(spark) -> int:
     """How many Spark tasks can run at once: the default parallelism (a local master's cores, a cluster's
     executor cores) over ``spark.task.cpus``. A barrier stage (``TorchDistributor(local_mode=False)``,
     ``horovod.spark.run``) needs one slot per process, all at once."""
-    _require_classic(spark, "counting task slots")
+    require_classic(spark, "counting task slots")
     sc = spark.sparkContext
     return sc.defaultParallelism // max(1, int(sc.getConf().get("spark.task.cpus", "1")))
 

@@ -66,6 +66,9 @@ def test_classic_only_calls_say_why_and_name_the_fix(connect, capsys):
         dtspark.task_slots(connect)
     dtspark.require_slots(connect, 2)                                  # cannot count: a note, not a traceback
     assert "Spark Connect does not say how many tasks" in capsys.readouterr().out
+    # the capstone on Databricks refuses a Connect session before it writes anything, with the fix
+    with pytest.raises(dtspark.SparkConnectUnsupported, match=r"the capstone \(TorchDistributor.*Fix: run this"):
+        dtspark.require_classic(connect, "the capstone (TorchDistributor and DeepspeedTorchDistributor)")
 
 
 def test_a_classic_session_is_not_connect():
@@ -76,4 +79,5 @@ def test_a_classic_session_is_not_connect():
 
     Classic.__module__ = "pyspark.sql.session"
     assert not dtspark.is_connect(Classic()) and dtspark.classic_problem(Classic(), "x") is None
+    assert dtspark.require_classic(Classic(), "x") is None
 
