@@ -21,7 +21,32 @@ torch.set_num_threads(1)
 #   gpu      needs a CUDA GPU: skipped here with the reason, never faked
 #   notebook, runtime  a course notebook run (make test), a simulated Databricks job task (make test-runtime)
 
+#: Test files of code that imports only Python's standard library (the planner: tests/test_package.py holds it to
+#: that). On a runtime stack whose Python is the course stack's own, their `cluster` tests would run the very same
+#: code on the very same interpreter again, so there they are skipped (CI: 15.4, 3.11 like the course; 18's 3.12
+#: runs them).
+STDLIB_ONLY = {"test_published_runs.py", "test_planner_memory.py", "test_planner_cost.py"}
+
+
+def _same_python_as_the_course() -> bool:
+    """A runtime stack (make test-runtime) on the Python version of the course's .venv, if that exists."""
+    import platform
+    from pathlib import Path
+
+    cfg = Path(__file__).resolve().parent.parent / ".venv" / "pyvenv.cfg"
+    if not os.environ.get("DTLAB_TEST_RUNTIME") or not cfg.is_file():
+        return False
+    version = dict(line.split(" = ", 1) for line in cfg.read_text().splitlines() if " = " in line).get("version")
+    return version == platform.python_version()
+
+
 def pytest_collection_modifyitems(config, items):
+    if _same_python_as_the_course():
+        same = pytest.mark.skip(reason=f"standard-library code on Python {__import__('platform').python_version()}, "
+                                       "the course stack's own: make test runs these")
+        for item in items:
+            if item.path.name in STDLIB_ONLY:
+                item.add_marker(same)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")

@@ -140,3 +140,18 @@ def test_one_held_elements_answers_for_a_plain_model_too():
         assert held_elements(model, optimizer) == {"params": 16, "grads": 16, "optimizer": 16 * per_element}
         model.zero_grad(set_to_none=True)
     assert held_elements(model) == {"params": 16, "grads": 0, "optimizer": 0}
+
+
+def test_the_planner_computes_with_the_standard_library_alone():
+    """What lets a runtime stack on the course's own Python skip the planner's tests (tests/conftest.py,
+    STDLIB_ONLY): pricing a cluster and reading the published records load no third-party library (matplotlib and
+    ipywidgets only when a chart or a form is drawn), so the same interpreter gives the same answers."""
+    code = ("import sys\n"
+            "from dtlab.planner import advise, cost, formulas, hardware, kernels, memory, memory_record, published\n"
+            "a = advise.advise(7e9, cluster='g5.12xlarge x4'); a.table(); published.runs()\n"
+            "advise.advise(70e9, cluster='p4d.24xlarge x8', recompute='full', precision='fp16').table()\n"
+            "found = {m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)\n"
+            "print(sorted(m for m in found if not m.startswith('_') and m != 'dtlab'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"the planner loaded {out.stdout.strip()}: drop its tests from STDLIB_ONLY"
