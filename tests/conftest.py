@@ -1,6 +1,8 @@
 """Shared test set-up: one thread per process (2 cores, many processes), headless views."""
 
 import os
+import platform
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DTLAB_HEADLESS", "1")
@@ -30,9 +32,6 @@ STDLIB_ONLY = {"test_published_runs.py", "test_planner_memory.py", "test_planner
 
 def _same_python_as_the_course() -> bool:
     """A runtime stack (make test-runtime) on the Python version of the course's .venv, if that exists."""
-    import platform
-    from pathlib import Path
-
     cfg = Path(__file__).resolve().parent.parent / ".venv" / "pyvenv.cfg"
     if not os.environ.get("DTLAB_TEST_RUNTIME") or not cfg.is_file():
         return False
@@ -42,7 +41,7 @@ def _same_python_as_the_course() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     if _same_python_as_the_course():
-        same = pytest.mark.skip(reason=f"standard-library code on Python {__import__('platform').python_version()}, "
+        same = pytest.mark.skip(reason=f"standard-library code on Python {platform.python_version()}, "
                                        "the course stack's own: make test runs these")
         for item in items:
             if item.path.name in STDLIB_ONLY:
