@@ -3,11 +3,11 @@
 #
 #   bash benchmarks/setup_time.sh [REQUIREMENTS]   (default: requirements.txt)
 #
-# pip installing the requirements as pip does by default (compiling every module to bytecode, one file
-# after another) against --no-compile followed by `compileall -j 0` (the same .pyc files, on all cores:
-# scripts/lib.sh's install_requirements). Run it on an idle machine; it takes about 7 minutes on 2 cores
-# and leaves nothing behind. (Building Horovod and DeepSpeed at the same time instead of one after the
-# other was measured too, and dropped: 485 s against 436 s on 2 cores, both builds already use both.)
+# pip installing the requirements as pip does by default (compiling every module to bytecode as it goes), against
+# uv with its bytecode (scripts/lib.sh's install_requirements: what the set-up does), each with an empty cache; then
+# uv again into a second fresh venv with the cache the first filled (a warm machine, a fresh clone). Run it on an
+# idle machine; it downloads everything twice. (Building Horovod and DeepSpeed at the same time instead of one after
+# the other was measured too, and dropped: 485 s against 436 s on 2 cores, both builds already use both.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUIREMENTS=${1:-requirements.txt}
@@ -15,20 +15,26 @@ PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 say() { printf '[bench] %s\n' "$*"; }
-PY=  # set per variant; lib.sh's pip_q uses it
+PY=  # set per variant; lib.sh's functions use it
 # shellcheck source=scripts/lib.sh
 source scripts/lib.sh
 
 fresh_venv() { "$PYTHON" -m venv "$scratch/$1"; PY="$scratch/$1/bin/python"; pip_q install --upgrade pip; }
 
-fresh_venv compiled
+fresh_venv pip
 t=$SECONDS
-pip_q install --cache-dir "$scratch/pip-cache-1" -r "$REQUIREMENTS"
-compiled=$((SECONDS - t))
+pip_q install --cache-dir "$scratch/pip-cache" -r "$REQUIREMENTS"
+pip_cold=$((SECONDS - t))
 
-fresh_venv parallel
+# (uv, the wheels of source-only packages and pip, which builds those, all start empty too)
+export UV_CACHE_DIR="$scratch/uv-cache" DTLAB_CACHE="$scratch/dtlab-cache" PIP_CACHE_DIR="$scratch/pip-cache-uv"
+fresh_venv uv-cold
 t=$SECONDS
-install_requirements "$REQUIREMENTS" --cache-dir "$scratch/pip-cache-2"
-parallel=$((SECONDS - t))
-say "pip install: ${compiled} s compiling as it goes, ${parallel} s with --no-compile + compileall -j 0"
+install_requirements "$REQUIREMENTS"
+uv_cold=$((SECONDS - t))
 
+fresh_venv uv-warm
+t=$SECONDS
+install_requirements "$REQUIREMENTS"
+uv_warm=$((SECONDS - t))
+say "$REQUIREMENTS: pip ${pip_cold} s (empty cache); uv ${uv_cold} s (empty cache), ${uv_warm} s (its cache filled)"
