@@ -410,11 +410,12 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
             candidates += candidate_layouts(shape, g, c.node.gpus, seq_len)
     rows = [_row(num_params, shape, lay, c, setup, optimizer, headroom) for lay in candidates]
     from dtlab.planner import memory_record, published  # they price their runs with advise: imported here
+    priced = memory_record.checked() if rows else []     # the record's runs priced once, for every row's evidence
     for r in rows:
         lay = r["layout"]
         family = published.family_of(lay["tp"], lay["pp"], lay["cp"], lay["zero"], r["offload"]["optimizer"])
         r["evidence"] = published.evidence(family, num_params, g, c.gpu.name)
-        r["evidence"]["memory"] = memory_record.nearest(num_params, g, family)
+        r["evidence"]["memory"] = memory_record.nearest(num_params, g, family, priced)
     usable = c.gpu.memory_bytes * (1 - headroom)
     advice = Advice(model={"params": num_params, "shape": shape.describe(), "n_layer": shape.n_layer,
                            "n_embd": shape.n_embd, "n_head": shape.n_head, "n_kv_head": shape.n_kv_head,

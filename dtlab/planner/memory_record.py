@@ -205,13 +205,14 @@ def by_source(rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     return list(out.values())
 
 
-def nearest(params: float, gpus: int, family: str) -> dict[str, Any] | None:
+def nearest(params: float, gpus: int, family: str, rows: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The measured run nearest to ``params`` on ``gpus`` GPUs (log distance; a run of the same strategy ``family``,
     ``published.family_of``'s words, preferred): what a memory figure the planner gives rests on. Returns the run's
-    name, its measured figure (GiB and kind), the planner's predicted / measured on it and a line for people."""
+    name, its measured figure (GiB and kind), the planner's predicted / measured on it and a line for people.
+    ``rows``: ``checked()``, when the caller asks for several (pricing every run takes a second of CPU)."""
     from dtlab.planner.published import family_of  # published prices runs with advise, which imports this module
 
-    rows = [row for row in checked() if row["ratio"] is not None]
+    rows = [row for row in (rows if rows is not None else checked()) if row["ratio"] is not None]
     if not rows:
         return None
 
