@@ -90,6 +90,36 @@ def test_the_mesh_check_catches_a_call_without_one():
         [(2, "fully_shard(b)")]
 
 
+#: Calls that need a classic Spark session (a SparkContext): on Spark Connect (serverless compute, a standard access
+#: mode cluster) they raise deep inside the library. TorchDistributor runs on Connect (notebook 04 runs on one).
+CLASSIC_ONLY = ("horovod.spark.run(", "setup_ray_cluster(", ".sparkContext")
+CONNECT_GUARDS = ("classic_problem(", "require_classic(", "is_connect(")
+
+
+def _unguarded_classic_calls(source):
+    """The lines of a cell that call a classic-only API without the cell checking for Spark Connect first."""
+    lines = source.splitlines()
+    guard = next((n for n, line in enumerate(lines) if any(g in line for g in CONNECT_GUARDS)), None)
+    return [line.strip() for n, line in enumerate(lines) if any(c in line for c in CLASSIC_ONLY)
+            and not line.lstrip().startswith("#") and (guard is None or n < guard)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_a_classic_spark_only_call_steps_aside_on_spark_connect(path):
+    """Issue 53: a Spark Connect session gets the lesson's message (dtlab.spark.classic_problem), not a traceback."""
+    problems = [f"cell {i}: {line}" for i, _, src in _code_cells(path) for line in _unguarded_classic_calls(src)]
+    assert not problems, (f"{path.name}: check dtspark.classic_problem(spark, what) before these, and step aside "
+                          "with its message:\n" + "\n".join(problems))
+
+
+def test_the_connect_check_catches_an_unguarded_call():
+    assert _unguarded_classic_calls("spark = dtspark.session()\nhorovod.spark.run(f, num_proc=2)")
+    assert _unguarded_classic_calls("n = spark.sparkContext.defaultParallelism\nif dtspark.is_connect(spark): pass")
+    assert not _unguarded_classic_calls("why = dtspark.classic_problem(spark, 'x')\nif not why:\n    "
+                                        "setup_ray_cluster(max_worker_nodes=1)")
+    assert not _unguarded_classic_calls("# spark.sparkContext is not on Connect\nx = 1")
+
+
 def test_the_check_catches_what_it_should():
     assert _hard_coded('dist.init_process_group("nccl")')
     assert _hard_coded('dev = torch.device("cuda", rank) if gpu else torch.device("cpu")')
