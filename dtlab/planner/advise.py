@@ -410,7 +410,7 @@ def advise(params: float | None = None, *, n_layer: int | None = None, n_embd: i
             candidates += candidate_layouts(shape, g, c.node.gpus, seq_len)
     rows = [_row(num_params, shape, lay, c, setup, optimizer, headroom) for lay in candidates]
     from dtlab.planner import memory_record, published  # they price their runs with advise: imported here
-    priced = memory_record.checked() if rows else []     # the record's runs priced once, for every row's evidence
+    priced = memory_record.checked()                      # the record's runs priced once, for every row's evidence
     for r in rows:
         lay = r["layout"]
         family = published.family_of(lay["tp"], lay["pp"], lay["cp"], lay["zero"], r["offload"]["optimizer"])

@@ -209,7 +209,7 @@ def nearest(params: float, gpus: int, family: str, rows: list[dict[str, Any]] | 
     """The measured run nearest to ``params`` on ``gpus`` GPUs (log distance; a run of the same strategy ``family``,
     ``published.family_of``'s words, preferred): what a memory figure the planner gives rests on. Returns the run's
     name, its measured figure (GiB and kind), the planner's predicted / measured on it and a line for people.
-    ``rows``: ``checked()``, when the caller asks for several (pricing every run takes a second of CPU)."""
+    ``rows``: ``checked()``, priced once by a caller that asks for many (``advise`` asks once per candidate layout)."""
     from dtlab.planner.published import family_of  # published prices runs with advise, which imports this module
 
     rows = [row for row in (rows if rows is not None else checked()) if row["ratio"] is not None]
