@@ -189,12 +189,21 @@ def test_the_bundle_deploys_into_the_deployers_own_folder():
 
 
 def test_every_task_installs_the_wheel_the_bundle_builds():
-    """No init script reads workspace files to install dtlab: the bundle builds a wheel, every task installs it."""
+    """No init script reads workspace files to install dtlab: the bundle builds a wheel, every task on a cluster
+    installs it as a library, and every task on serverless compute runs in an environment that has it."""
+    from dtlab.tooling.clusters.serverless import is_serverless
+
     doc = clusters.load(ROOT / "databricks.yml")
     assert doc["artifacts"]["dtlab"]["type"] == "whl" and "pip wheel" in doc["artifacts"]["dtlab"]["build"]
-    tasks = [t for job in doc["resources"]["jobs"].values() for t in job["tasks"]]
-    assert all(t.get("libraries") == [{"whl": "./dist/*.whl"}] for t in tasks), [t["task_key"] for t in tasks
-                                                                                 if not t.get("libraries")]
+    jobs = doc["resources"]["jobs"].values()
+    on_clusters = [t for job in jobs for t in job["tasks"] if not is_serverless(t)]
+    assert all(t.get("libraries") == [{"whl": "./dist/*.whl"}] for t in on_clusters), \
+        [t["task_key"] for t in on_clusters if not t.get("libraries")]
+    serverless = [(t, job) for job in jobs for t in job["tasks"] if is_serverless(t)]
+    assert serverless, "the serverless job"
+    for task, job in serverless:
+        (env,) = [e for e in job["environments"] if e["environment_key"] == task["environment_key"]]
+        assert "./dist/*.whl" in env["spec"]["dependencies"] and "libraries" not in task
     env = doc["resources"]["jobs"]["dtlab_course"]["job_clusters"][0]["new_cluster"]["spark_env_vars"]
     assert "DTLAB_SOURCE" not in env, "unset: the init script then installs only the optional tools"
 
@@ -444,3 +453,81 @@ def test_pin_wheel_writes_the_exact_file_and_its_sha256_and_the_file_then_valida
     assert cli.main(["clusters", "pin-wheel", str(wheel), "--volume", "/tmp/x", str(cluster)]) == 2
     with pytest.raises(ValueError, match="not a dtlab wheel"):
         pin_wheel(tmp_path / "g5.yml", "/Volumes/main/dtlab/files", [cluster])
+
+
+#: What a lesson calls that serverless compute's Python task cannot give it: a Spark cluster (TorchDistributor, Delta,
+#: Horovod on Spark), MLflow's workspace identity, DeepSpeed's or Horovod's builds, torchrun's console script, Ray.
+NEEDS_A_CLUSTER = re.compile(r"\b(spark|dtspark|mlflow|tracking|horovod|raytrain|delta|torchrun)\b"
+                             r"|\bimport deepspeed\b|\bfrom deepspeed\b|\bds_config\b")
+
+
+def _serverless_task():
+    job = clusters.load(ROOT / "databricks.yml")["resources"]["jobs"]["dtlab_serverless"]
+    (task,) = job["tasks"]
+    return job, task
+
+
+def test_the_serverless_job_runs_every_lesson_that_needs_no_cluster_and_only_those():
+    import json
+
+    from dtlab.tooling import runner
+
+    _, task = _serverless_task()
+    params = task["spark_python_task"]["parameters"]
+    args = cli.parser().parse_args(["course", "run", *params])
+    assert args.notebooks == "${workspace.file_path}/notebooks" and args.runs.startswith("/tmp/")
+    assert (ROOT / task["spark_python_task"]["python_file"]).is_file()
+    lessons = runner.find_notebooks(ROOT / "notebooks")
+    needs = {}
+    for nb in lessons:
+        code = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
+        needs[nb.stem] = sorted({m.group(0) for m in NEEDS_A_CLUSTER.finditer(code)})
+    expected = [stem for stem, found in needs.items() if not found]
+    assert args.notebook == expected, {stem: found for stem, found in needs.items() if stem in args.notebook and found}
+    assert [p.stem for p in runner.resolve(args.notebook, lessons)] == args.notebook   # full names: no renaming notes
+    assert len(expected) >= 10 and {"04_torchdistributor", "21_from_table_to_registered_model"}.isdisjoint(expected)
+    header = (ROOT / "databricks.yml").read_text().split("\nbundle:")[0]
+    assert f"{len(expected)} lessons on serverless compute" in header
+
+
+def test_the_serverless_environment_adds_18_lts_mls_torch_and_papermill_to_environment_5():
+    """Serverless environment 5 has 18 LTS ML's ipykernel, matplotlib, scikit-learn, numpy (databricks/environments,
+    serverless-v5) but no torch or papermill: the job adds those at 18 LTS ML's versions."""
+    job, task = _serverless_task()
+    (env,) = job["environments"]
+    assert env["environment_key"] == task["environment_key"] and env["spec"]["environment_version"] == "5"
+    pins = dict(d.split("==") for d in env["spec"]["dependencies"] if "==" in d)
+    runtime = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (ROOT / "requirements-dbr18.txt").read_text(), flags=re.M))
+    assert set(pins) == {"torch", "papermill"} and all(pins[k] == runtime[k] for k in pins), (pins, runtime)
+
+
+@pytest.mark.parametrize("break_it, expected", [
+    (lambda t, j: t.pop("environment_key"),
+     r"tasks.0.: a spark_python_task on serverless compute needs an environment_key.*Fix: environment_key: dtlab"),
+    (lambda t, j: t.update(environment_key="dtlib"),
+     r"environment_key: the job has no environment 'dtlib'. Fix: did you mean 'dtlab'"),
+    (lambda t, j: j["environments"][0]["spec"]["dependencies"].remove("./dist/*.whl"),
+     r"it imports dtlab, but environment 'dtlab' does not install it.*Fix: add ./dist/\*.whl"),
+    (lambda t, j: j["environments"][0]["spec"].pop("environment_version"),
+     r"spec: no environment_version .*Fix: environment_version: \"5\""),
+    (lambda t, j: t.update(libraries=[{"whl": "./dist/*.whl"}]),
+     r"libraries: a task on serverless compute .*installs no libraries.*Fix: list them in an environment"),
+    (lambda t, j: j["environments"][0]["spec"]["dependencies"].__setitem__(0, "./build/*.whl"),
+     r"dependencies.0.: ./build/\*.whl is built by no artifact.*Fix: an artifacts entry"),
+], ids=["no-environment-key", "unknown-environment", "no-wheel", "no-environment-version", "task-libraries",
+        "unbuilt-wheel"])
+def test_the_validator_refuses_a_serverless_task_databricks_would_refuse_or_that_cannot_import_dtlab(
+        tmp_path, break_it, expected):
+    def change(doc):
+        job = doc["resources"]["jobs"]["dtlab_serverless"]
+        break_it(job["tasks"][0], job)
+
+    text = _bundle_with(tmp_path, change)
+    assert re.search(expected, text), text
+
+
+def test_the_serverless_task_names_a_lesson_that_does_not_exist_with_the_valid_names(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "clusters" / "serverless_lessons.py"), "--notebooks",
+                          str(ROOT / "notebooks"), "--runs", str(tmp_path), "00_enviroment"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2 and "00_enviroment" in out.stderr and "00_environment" in out.stderr, out.stderr

@@ -15,6 +15,8 @@ package checks the course's files offline, in two layers, one concern per file:
 * ``bundle.py`` — the bundle ``databricks.yml``: declared variables, tasks, job clusters,
   notebooks and their parameters (a notebook's ``nprocs`` may not exceed its node's GPUs); and no
   literal credentials in any file (only ``{{secrets/scope/key}}``).
+* ``serverless.py`` — tasks with no cluster run on serverless compute: no libraries, an environment of the job
+  (``environment_key``) for Python and wheel tasks, dtlab's wheel in it when they import dtlab.
 * ``sharing.py`` — no init script, code source or bundle folder where every workspace user can write
   (``/Shared``, ``/Workspace/Shared``, DBFS): a Unity Catalog volume or your own folder instead.
 * ``governance.py`` — what a platform team asks: job clusters under a policy, a production target run as a

@@ -9,6 +9,8 @@
 * ``artifacts`` have the CLI's fields (``type`` whl or jar, ``build``, ``path``, ``files``, ``executable``,
   ``dynamic_version``); a task's local ``whl`` library is a file an artifact builds, and its cluster runs
   Databricks Runtime 13.3 or later (the CLI refuses local libraries before);
+* a task with no cluster runs on serverless compute: no ``libraries``, an environment of the job for a Python or
+  wheel task, and dtlab's wheel in it when the task imports dtlab (``serverless.py``);
 * no literal credentials anywhere (only ``{{secrets/scope/key}}`` references).
 
 What could not be checked is not a problem but a *note* (``bundle_notes``): on Databricks Runtime
@@ -28,6 +30,7 @@ from dtlab.tooling.clusters.artifacts import artifact_outputs, library_problems
 from dtlab.tooling.clusters.problems import join, suggest
 from dtlab.tooling.clusters.rules import cluster_problems, node_type
 from dtlab.tooling.clusters.schema import model_problems, strict_models
+from dtlab.tooling.clusters.serverless import serverless_problems
 
 #: Said once per bundle when some notebook exists but cannot be read as a file.
 UNREADABLE_NOTEBOOKS = ("notebooks are not readable as files on this runtime (Databricks Runtime 16.2+ makes them "
@@ -193,7 +196,8 @@ def bundle_problems(doc: dict, path: Path, notes: list[str] | None = None) -> li
         where = f"resources.jobs.{name}"
         found = model_problems(Job, job, where)
         problems += found or (job_problems(job, where, path.parent, notes)
-                              + library_problems(job, where, path.parent.resolve(), outputs))
+                              + library_problems(job, where, path.parent.resolve(), outputs)
+                              + serverless_problems(job, where, path.parent.resolve(), outputs))
     for name, spec in (resources.get("clusters") or {}).items():
         where = f"resources.clusters.{name}"
         problems += model_problems(Cluster, spec, where) or cluster_problems(spec, where)
