@@ -14,10 +14,11 @@ export PYSPARK_PYTHON := $(abspath $(PY))
 export SPARK_LOCAL_IP ?= 127.0.0.1
 
 RUNTIME ?= 18
+RUNTIMES ?= 15.4 18
 RUNTIME_VENV ?= .venv-dbr$(RUNTIME)
 RPY := $(RUNTIME_VENV)/bin/python
 
-.PHONY: setup setup-core setup-runtime course lab site test test-quick test-runtime mutants lint clean
+.PHONY: setup setup-all setup-core setup-runtime course lab site test test-quick test-runtime mutants lint clean
 setup:
 	@bash scripts/setup.sh
 
@@ -57,6 +58,11 @@ test-quick: setup
 
 setup-runtime:
 	@RUNTIME=$(RUNTIME) VENV=$(RUNTIME_VENV) bash scripts/setup_runtime.sh
+
+# The course's stack and the runtime stacks CI tests (RUNTIMES="15.4 18"), set up at the same time: one's
+# downloads overlap another's compiles. CI's first step; make test and make test-runtime then find them ready.
+setup-all:
+	@RUNTIMES="$(RUNTIMES)" bash scripts/setup_all.sh
 
 test-runtime: export PYSPARK_PYTHON := $(abspath $(RPY))
 test-runtime: export DTLAB_TEST_RUNTIME := $(RUNTIME)

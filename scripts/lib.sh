@@ -11,15 +11,31 @@ pip_q() { "$PY" -m pip --quiet --disable-pip-version-check "$@" 2>&1 \
 # a fresh venv with warm caches: pip 181 s (unpacking, then compileall on every core), uv 75 s (with its bytecode).
 UV_VERSION=0.13.9
 
+# Set-ups may run at the same time (scripts/setup_all.sh): what they share (uv's own venv, a source archive's
+# wheel, apt) is made by one of them at a time, under a lock in dtlab's cache.
+lock_path() {
+  local folder
+  folder="${DTLAB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dtlab}/locks"
+  mkdir -p "$folder"
+  echo "$folder/$1.lock"
+}
+# locked NAME COMMAND...: run the program COMMAND holding the lock NAME (waiting for whoever holds it).
+locked() { flock "$(lock_path "$1")" "${@:2}"; }
+
 # uv_bin: the path of uv UV_VERSION, installed once (with pip, from PyPI) into a venv of its own in dtlab's cache.
+# (Called as $(uv_bin): the lock's file descriptor closes with that subshell.)
 uv_bin() {
-  local tools
+  local tools fd
   tools="${DTLAB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dtlab}/tools/uv-$UV_VERSION"
   if [ ! -x "$tools/bin/uv" ]; then
-    rm -rf "$tools"
-    "$PY" -m venv "$tools"
-    "$tools/bin/python" -m pip --quiet --disable-pip-version-check install "uv==$UV_VERSION" 2>&1 \
-      | sed '/is neither a file nor a directory/d' >&2
+    exec {fd}>"$(lock_path "uv-$UV_VERSION")"
+    flock "$fd"
+    if [ ! -x "$tools/bin/uv" ]; then    # else another set-up made it while this one waited
+      rm -rf "$tools"
+      "$PY" -m venv "$tools"
+      "$tools/bin/python" -m pip --quiet --disable-pip-version-check install "uv==$UV_VERSION" 2>&1 \
+        | sed '/is neither a file nor a directory/d' >&2
+    fi
   fi
   echo "$tools/bin/uv"
 }
@@ -54,13 +70,20 @@ uv_args_from_pip() {
 # (which caches the build), and kept in dtlab's cache: uv would otherwise fetch and build the archive in every
 # new venv (its cache revalidates the download and finds it "modified" here). sdist_wheels FILE: the folder.
 sdist_wheels() {
-  local file=$1 folder pin
+  local file=$1 folder pin fd work
   folder="${DTLAB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dtlab}/wheels/sdists"
   mkdir -p "$folder"
   while read -r pin; do
     if ! compgen -G "$folder/pyspark-${pin#pyspark==}-*.whl" >/dev/null; then
-      say "building $pin's wheel once (PyPI has only its source; cached in $folder)" >&2
-      pip_q wheel --no-deps "$pin" -w "$folder" >&2
+      exec {fd}>"$(lock_path "$pin")"
+      flock "$fd"                # (called as $(sdist_wheels ...): released when that subshell ends)
+      if ! compgen -G "$folder/pyspark-${pin#pyspark==}-*.whl" >/dev/null; then
+        say "building $pin's wheel once (PyPI has only its source; cached in $folder)" >&2
+        work=$(mktemp -d)        # built beside the cache, moved in whole: no other set-up sees half a wheel
+        pip_q wheel --no-deps "$pin" -w "$work" >&2
+        mv "$work"/*.whl "$folder"/
+        rm -rf "$work"
+      fi
     fi
   done < <(sed -n 's/^\(pyspark==[^ ;#]*\).*/\1/p' "$file")
   echo "$folder"

@@ -60,8 +60,8 @@ if [ ! -x "${DTLAB_CHROMIUM:-/usr/bin/chromium}" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     say "installing Debian's chromium for the website's browser check (about 20 s)"
     t=$SECONDS
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+    locked apt env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    locked apt env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
     say "chromium installed in $((SECONDS - t)) s"
   else
     say "WARNING: no Chromium, and this user cannot apt-get it. The website's browser check will fail until" \

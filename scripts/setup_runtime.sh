@@ -74,8 +74,8 @@ fi
 # --hardware` (the deepspeed launcher and ZeRO-3 call it); on a GPU node it uses CUDA and never does.
 if ! command -v numactl >/dev/null; then
   say "installing numactl (Debian) for DeepSpeed 0.14's CPU accelerator"
-  if ! { apt-get install -y -qq numactl >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 &&
-         apt-get install -y -qq numactl >/dev/null 2>&1; }; }; then
+  if ! { locked apt apt-get install -y -qq numactl >/dev/null 2>&1 || { locked apt apt-get update -qq >/dev/null 2>&1 &&
+         locked apt apt-get install -y -qq numactl >/dev/null 2>&1; }; }; then
     say "could not install numactl (needs root and Debian's apt): the deepspeed launcher will fail on CPU"
   fi
 fi

@@ -67,6 +67,10 @@ def test_ci_runs_the_readme_test_commands():
     files = sorted(p.name[len("requirements-dbr"):-len(".txt")] for p in ROOT.glob("requirements-dbr*.txt"))
     assert sorted([*RUNTIMES, *NOT_IN_CI]) == files        # every runtime stack is run in CI or says why not
     assert commands[-3:] == ["make test", *(f"make test-runtime RUNTIME={r}" for r in RUNTIMES)], commands
+    # before them only the set-up of those same stacks at once, which README documents
+    assert commands[:-3] == ["make setup-all"] and "make setup-all" in readme, commands
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^RUNTIMES \?= (.+)$", makefile, flags=re.M).group(1).split() == list(RUNTIMES)
 
 
 @pytest.mark.parametrize("script", sorted((ROOT / "scripts").glob("*.sh")), ids=lambda p: p.name)
