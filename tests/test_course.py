@@ -169,6 +169,7 @@ def test_a_lesson_that_imports_a_missing_package_gets_it_built_once_first(tmp_pa
     assert course.ensure_built(path, python, builds, tmp_path / "scripts") == []     # built: nothing to do
 
 
+@pytest.mark.slow   # 3.5 s or more warm (make test-quick --durations, 2026-12-07)
 def test_deepspeeds_python_package_alone_is_not_built_its_ops_are():
     """requirements.txt installs DeepSpeed's package; only the build script compiles its ops in (make test builds
     them, so here they are): the check reads the ops, not the import."""

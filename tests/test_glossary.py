@@ -195,6 +195,7 @@ def test_notebook_12_opens_with_an_outline_linking_each_topic():
     assert len(lesson) >= 6 and set(lesson) <= linked, f"outline lacks {sorted(set(lesson) - linked)}"
 
 
+@pytest.mark.slow   # 3.5 s or more warm (make test-quick --durations, 2026-12-07)
 def test_the_website_builds_a_glossary_page_that_the_lessons_links_find(tmp_path):
     """Sphinx (the site's own configuration) on the glossary page and one lesson, as ``website.build`` writes them:
     every link from the lesson to the glossary, and to its own sections, lands on an anchor of the built page."""

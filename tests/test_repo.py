@@ -68,7 +68,8 @@ def test_ci_runs_the_readme_test_commands():
     assert sorted([*RUNTIMES, *NOT_IN_CI]) == files        # every runtime stack is run in CI or says why not
     assert commands[-3:] == ["make test", *(f"make test-runtime RUNTIME={r}" for r in RUNTIMES)], commands
     # before them only the set-up of those same stacks at once, which README documents
-    assert commands[:-3] == ["make setup-all"] and "make setup-all" in readme, commands
+    assert [c for c in commands if c.startswith("make ")][:-3] == ["make setup-all"], commands
+    assert "make setup-all" in readme
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^RUNTIMES \?= (.+)$", makefile, flags=re.M).group(1).split() == list(RUNTIMES)
 

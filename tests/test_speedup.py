@@ -62,6 +62,7 @@ def test_accumulation_pays_one_all_reduce_per_k_micro_batches(k):
     assert p.speedup == pytest.approx(2 * 0.010 * k / (0.010 * k + 0.020))
 
 
+@pytest.mark.slow   # 3.5 s or more warm (make test-quick --durations, 2026-12-07)
 def test_measured_accumulation_times_no_sync_beside_an_all_reduce_per_micro_batch():
     """Real launches: with k > 1 every timed step gets a paired step that all-reduces after each micro-batch;
     with k = 1 there is nothing to pair. (How large the ratio is, is the notebook's measurement, not a test.)"""
