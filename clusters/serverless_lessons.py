@@ -12,8 +12,14 @@ It fails (exit status 1) when any lesson fails, after running the rest; the log 
 Run it on your machine the same way: ``python clusters/serverless_lessons.py --notebooks notebooks 00``.
 """
 import sys
+from pathlib import Path
 
-from dtlab.tooling.cli import main
+# Python puts this file's folder first on sys.path, and clusters/ holds folders named horovod and deepspeed (launch
+# templates): `import horovod` would find one of them instead of the package (or its absence).
+here = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != here]
+
+from dtlab.tooling.cli import main  # noqa: E402
 
 status = main(["course", "run", "--quiet", *sys.argv[1:]])
 if status:  # a Python task fails on a non-zero exit; exiting 0 explicitly is not needed

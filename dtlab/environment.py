@@ -226,6 +226,10 @@ def horovod_status() -> dict:
         import horovod
     except ImportError:
         return {"installed": False, "problem": "horovod is not installed", "fix": fix}
+    if getattr(horovod, "__file__", None) is None:     # a folder named horovod on sys.path, not the package
+        where = ", ".join(getattr(horovod, "__path__", []))
+        return {"installed": False, "problem": f"horovod is not installed (`import horovod` found the folder {where})",
+                "fix": fix}
     try:
         import horovod.torch as hvd
     except Exception as exc:  # ImportError, or a torch ABI mismatch raised as OSError/RuntimeError

@@ -97,6 +97,18 @@ def test_horovod_without_pytorch_support_is_reported(monkeypatch):
     assert not status["installed"] and "not built for PyTorch" in status["problem"]
 
 
+def test_a_folder_named_horovod_on_the_path_is_not_horovod(tmp_path, monkeypatch):
+    """clusters/ holds a folder horovod/ (launch templates): a script run from there imported it as a namespace
+    package, and the report then failed on its missing __version__ (found running the serverless job's task)."""
+    (tmp_path / "horovod").mkdir()
+    for name in [m for m in sys.modules if m == "horovod" or m.startswith("horovod.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status = environment.horovod_status()
+    assert not status["installed"] and str(tmp_path / "horovod") in status["problem"], status
+    assert "make setup" in status["fix"]
+
+
 def test_java_is_present_for_spark():
     assert environment.java_version() is not None
 
