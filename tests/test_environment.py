@@ -100,10 +100,14 @@ def test_horovod_without_pytorch_support_is_reported(monkeypatch):
 def test_a_folder_named_horovod_on_the_path_is_not_horovod(tmp_path, monkeypatch):
     """clusters/ holds a folder horovod/ (launch templates): a script run from there imported it as a namespace
     package, and the report then failed on its missing __version__ (found running the serverless job's task)."""
+    import importlib.util
+
     (tmp_path / "horovod").mkdir()
-    for name in [m for m in sys.modules if m == "horovod" or m.startswith("horovod.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    # what `import horovod` gives where no package of that name is installed (one is, on the course's stack)
+    spec = importlib.machinery.PathFinder.find_spec("horovod", [str(tmp_path)])
+    folder = importlib.util.module_from_spec(spec)
+    assert getattr(folder, "__file__", None) is None and list(folder.__path__) == [str(tmp_path / "horovod")]
+    monkeypatch.setitem(sys.modules, "horovod", folder)
     status = environment.horovod_status()
     assert not status["installed"] and str(tmp_path / "horovod") in status["problem"], status
     assert "make setup" in status["fix"]
