@@ -55,12 +55,18 @@ def _runtime_version(spark_version: Any) -> tuple[int, int] | None:
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
-def library_problems(job: dict, where: str, base: Path, outputs: list[str]) -> list[str]:
-    """A task's local wheel must be one an artifact builds (``databricks bundle deploy`` fails on a pattern
-    that matches nothing), on a cluster of Databricks Runtime 13.3 or later."""
+def built_by_an_artifact(local_path: str, base: Path, outputs: list[str]) -> bool:
+    """Whether ``local_path`` (relative to the bundle's folder, a pattern or a file) is what an artifact builds."""
     import fnmatch
     import posixpath
 
+    local = posixpath.normpath(posixpath.join(base.as_posix(), local_path))
+    return any(fnmatch.fnmatch(local, out) or fnmatch.fnmatch(out, local) for out in outputs)
+
+
+def library_problems(job: dict, where: str, base: Path, outputs: list[str]) -> list[str]:
+    """A task's local wheel must be one an artifact builds (``databricks bundle deploy`` fails on a pattern
+    that matches nothing), on a cluster of Databricks Runtime 13.3 or later."""
     problems = []
     clusters = {c.get("job_cluster_key"): c.get("new_cluster") or {} for c in job.get("job_clusters") or []}
     for i, task in enumerate(job.get("tasks") or []):
@@ -69,8 +75,7 @@ def library_problems(job: dict, where: str, base: Path, outputs: list[str]) -> l
             if not whl or str(whl).startswith(_REMOTE):
                 continue
             at = f"{where}.tasks[{i}].libraries[{j}].whl"
-            local = posixpath.normpath(posixpath.join(base.as_posix(), whl))
-            if not any(fnmatch.fnmatch(local, out) or fnmatch.fnmatch(out, local) for out in outputs):
+            if not built_by_an_artifact(whl, base, outputs):
                 problems.append(f"{at}: {whl} is built by no artifact, so deploying finds no file. Fix: an "
                                 "artifacts entry {type: whl, path: <the package's folder>} (it builds "
                                 "<path>/dist/*.whl), or the path of the wheel it builds")

@@ -14,11 +14,10 @@ compute. There (Databricks, "Bundle configuration examples" and the Jobs API's `
 
 from __future__ import annotations
 
-import fnmatch
-import posixpath
 import re
 from pathlib import Path
 
+from dtlab.tooling.clusters.artifacts import built_by_an_artifact
 from dtlab.tooling.clusters.problems import suggest
 
 #: Task types that need an environment on serverless compute (the Jobs API's ``environment_key``).
@@ -42,11 +41,6 @@ def _uses_dtlab(task: dict, base: Path) -> bool:
         return False
     path = base / python_file
     return path.is_file() and bool(_IMPORTS_DTLAB.search(path.read_text(errors="replace")))
-
-
-def _built_by_an_artifact(dependency: str, base: Path, outputs: list[str]) -> bool:
-    local = posixpath.normpath(posixpath.join(base.as_posix(), dependency))
-    return any(fnmatch.fnmatch(local, out) or fnmatch.fnmatch(out, local) for out in outputs)
 
 
 def serverless_problems(job: dict, where: str, base: Path, outputs: list[str]) -> list[str]:
@@ -74,7 +68,7 @@ def serverless_problems(job: dict, where: str, base: Path, outputs: list[str]) -
         for j, dependency in enumerate(spec.get("dependencies") or []):
             text = str(dependency).strip()
             if _LOCAL_WHEEL.match(text) and not text.startswith(("/Workspace/", "/Volumes/")) \
-                    and not _built_by_an_artifact(text, base, outputs):
+                    and not built_by_an_artifact(text, base, outputs):
                 problems.append(f"{at}.spec.dependencies[{j}]: {text} is built by no artifact, so deploying "
                                 "uploads no file. Fix: an artifacts entry {type: whl, path: .} (it builds "
                                 "./dist/*.whl), or the path of the wheel it builds")
