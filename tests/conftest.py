@@ -87,6 +87,18 @@ def _session(pid: int) -> int | None:
         return None
 
 
+def _kept_by_a_wider_spark(pid: int, cmdline: str, before: set[int]) -> bool:
+    """A Spark Python worker (``pyspark.daemon``) under a Spark JVM that was running before the test: a wider
+    fixture's session (one per test file) keeps its workers for the next task (``spark.python.worker.reuse``); they
+    end with that session. Workers of a session the test started itself still count."""
+    if "pyspark.daemon" not in cmdline:
+        return False
+    try:
+        return any(parent.pid in before and parent.name() == "java" for parent in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False
+
+
 @pytest.fixture(autouse=True)
 def no_process_outlives_its_test():
     before = set(_descendants())
@@ -96,7 +108,8 @@ def no_process_outlives_its_test():
     yield
     deadline = time.monotonic() + 15
     while True:
-        left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before and _session(pid) not in servers}
+        left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before and _session(pid) not in servers
+                and not _kept_by_a_wider_spark(pid, cmd, before)}
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)

@@ -10,11 +10,23 @@ from dtlab import spark as dtspark
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]  # a Spark session each; the runtime stack repeats them
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def session():
+    """One local Spark for the file (a session costs 8 s and 9 core-s to start); a test that adds databases to its
+    catalog drops them again (``catalog_cleaned``)."""
     s = dtspark.session(cores=2)
     yield s
     dtspark.stop(s)
+
+
+@pytest.fixture
+def catalog_cleaned(session):
+    """The databases a test creates in the shared session's catalog are dropped after it, so the next test meets
+    the catalog a new local session has (no information_schema)."""
+    before = {d.name for d in session.catalog.listDatabases()}
+    yield session
+    for name in {d.name for d in session.catalog.listDatabases()} - before:
+        session.sql(f"DROP DATABASE IF EXISTS `{name}` CASCADE")
 
 
 def rows(n):
@@ -83,7 +95,8 @@ def grants(session, tmp_path, schema_grants, owner="someone-else", groups=("data
     return me
 
 
-def test_privileges_are_checked_before_any_write_and_the_grant_is_named(session, tmp_path, monkeypatch):
+def test_privileges_are_checked_before_any_write_and_the_grant_is_named(catalog_cleaned, tmp_path, monkeypatch):
+    session = catalog_cleaned
     monkeypatch.setenv("DTLAB_VOLUMES_ROOT", str(tmp_path / "Volumes"))
     me = grants(session, tmp_path, {"data-eng": ["USE SCHEMA", "CREATE TABLE"]})
     with pytest.raises(PermissionError, match=rf"lack schema CREATE MODEL.*GRANT CREATE MODEL ON SCHEMA "

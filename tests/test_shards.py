@@ -331,8 +331,9 @@ def test_restore_reshards_a_streams_position_but_restarts_a_samplers_epoch(folde
     assert later.state_dict()["samples_seen"] == 12
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def spark():
+    """One local Spark for the file's two Spark tests (a session costs 8 s and 9 core-s to start)."""
     from dtlab import spark as dtspark
 
     session = dtspark.session(cores=2)
