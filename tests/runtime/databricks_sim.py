@@ -7,8 +7,9 @@ reproduced here (the runtime's Python stack itself is the venv ``make test-runti
   ``base_parameters`` from ``databricks.yml`` — strings, as a job passes them;
 * **the runtime is announced** by ``DATABRICKS_RUNTIME_VERSION`` and the cluster's Spark tag
   ``spark.databricks.clusterUsageTags.sparkVersion``;
-* **a SparkSession exists before the notebook starts**, its JVM in a folder of its own (``/databricks/driver``
-  on a cluster), made with the ``spark_conf`` of
+* **a SparkSession exists before the notebook starts**, on the job cluster's one driver JVM, which every task of
+  the job shares (each notebook its own session of the same SparkContext, as notebooks attached to one cluster
+  have), in a folder of its own (``/databricks/driver`` on a cluster), made with the ``spark_conf`` of
   ``clusters/g5-12xlarge-single-node.yml`` (single-node profile, ``local[*, 4]`` with the node's 48 vCPUs
   as task slots: no GPU scheduling);
 * **the notebook's interpreter lives in a folder without the runtime's console scripts**
@@ -199,19 +200,26 @@ _repl_context._CONTEXT = _repl_context.Context(apiUrl=_os.environ.pop("DTLAB_SIM
                                                apiToken=_os.environ.pop("DTLAB_SIM_API_TOKEN"))
 dbutils = _DBUtils(_json.loads(_os.environ.get("DTLAB_SIM_WIDGETS", "{}")), _repl_context._CONTEXT)
 
+from pyspark import SparkConf as _SparkConf
+from pyspark import SparkContext as _SparkContext
+from pyspark.java_gateway import launch_gateway as _launch_gateway
 from pyspark.sql import SparkSession as _SparkSession
 
-_builder = _SparkSession.builder.appName("databricks-simulated")
-for _key, _value in _json.loads(_os.environ["DTLAB_SIM_SPARK_CONF"]).items():
-    _builder = _builder.config(_key, _value)
-# The driver's JVM (and the Python workers Spark starts, TorchDistributor's among them) runs in its own folder, as
-# /databricks/driver on a cluster, not in the notebook's folder: what they write to a relative path lands there.
-_notebook_folder = _os.getcwd()
-_os.chdir(_os.environ["DTLAB_SIM_DRIVER_DIR"])
+# The job cluster's driver JVM (its SparkContext) runs already, started with the job (Job._start_driver) in its own
+# folder, as /databricks/driver on a cluster; this notebook attaches to it through its Py4J gateway and gets a
+# session of its own (its SQL settings, temporary views and functions), as every notebook on the cluster does.
+# The gateway's address leaves the environment, as the workspace's token does.
+_driver = _json.loads(_os.environ.pop("DTLAB_SIM_DRIVER"))
+_os.environ["PYSPARK_GATEWAY_PORT"], _os.environ["PYSPARK_GATEWAY_SECRET"] = str(_driver["port"]), _driver["secret"]
 try:
-    spark = _builder.getOrCreate()
+    _gateway = _launch_gateway()
 finally:
-    _os.chdir(_notebook_folder)
+    del _os.environ["PYSPARK_GATEWAY_PORT"], _os.environ["PYSPARK_GATEWAY_SECRET"]
+_jsc = _gateway.jvm.org.apache.spark.api.java.JavaSparkContext.fromSparkContext(
+    _gateway.jvm.org.apache.spark.SparkContext.getOrCreate())
+_sc = _SparkContext(gateway=_gateway, jsc=_jsc, conf=_SparkConf(_jconf=_jsc.sc().conf()))
+spark = _SparkSession(_sc, jsparkSession=_gateway.jvm.org.apache.spark.sql.SparkSession.builder().getOrCreate()
+                      .newSession())
 spark.sparkContext.setLogLevel("ERROR")
 
 # Unity Catalog, as far as a job meets it before it writes: the catalog's information_schema (grants, owners) and
@@ -244,6 +252,34 @@ if _os.environ.get("DTLAB_SIM_UNITY_CATALOG"):
     }
     for _name, (_columns, _rows) in _tables.items():
         spark.createDataFrame(_rows, _columns).write.mode("overwrite").saveAsTable(f"information_schema.{_name}")
+'''
+
+_DRIVER = '''
+"""The job cluster's driver: one Spark JVM for every task of the job run (``Job._start_driver``); each task's
+kernel attaches to it through the gateway whose port and secret this writes to the file named by its argument."""
+import json
+import os
+import signal
+import sys
+import time
+
+from pyspark.sql import SparkSession
+
+builder = SparkSession.builder.appName("databricks-simulated")
+for key, value in json.loads(os.environ["DTLAB_SIM_SPARK_CONF"]).items():
+    builder = builder.config(key, value)
+spark = builder.getOrCreate()
+spark.sparkContext.setLogLevel("ERROR")
+gateway = spark.sparkContext._gateway.gateway_parameters
+with open(sys.argv[1] + ".tmp", "w") as f:
+    json.dump({"port": gateway.port, "secret": gateway.auth_token}, f)
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+try:
+    while True:
+        time.sleep(3600)
+finally:
+    spark.stop()
 '''
 
 _STORE = '''
@@ -629,6 +665,7 @@ class Job:
          UNITY_CATALOG["volume"]).mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_hex(16)           # the workspace's API token of this run
         self.api_url = self._start_workspace()
+        self.driver = self._start_driver()
 
     def _deploy(self) -> None:
         """The bundle's files as `databricks bundle deploy` uploads them; notebooks are not files."""
@@ -733,16 +770,40 @@ class Job:
             time.sleep(0.3)
         return f"http://127.0.0.1:{port}"
 
+    def _start_driver(self, timeout: float = 120.0) -> dict:
+        """Start the job cluster's driver JVM (its own session, stopped by ``close``) in the driver's folder, with the
+        environment a task's kernel has but no task's parameters or credentials; return its gateway's address."""
+        env = {**os.environ, **self.environment(None, {})}
+        for name in ("DTLAB_SIM_API_URL", "DTLAB_SIM_API_TOKEN", "DTLAB_SIM_WIDGETS", "DTLAB_SIM_UNITY_CATALOG",
+                     "DTLAB_SIM_DRIVER"):
+            env.pop(name)
+        address = self.folder / "driver-gateway.json"
+        self._driver_log = open(self.folder / "driver.log", "w")
+        self._driver = subprocess.Popen([str(self.python), "-c", _DRIVER, str(address)], cwd=self.folder / "driver",
+                                        stdout=self._driver_log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not address.exists():
+            if self._driver.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the job cluster's driver did not start; see {self.folder / 'driver.log'}")
+            time.sleep(0.2)
+        return json.loads(address.read_text())
+
     def close(self) -> None:
-        """Stop the workspace's server and every process it started."""
+        """Stop the workspace's server, the driver and every process they started."""
         from dtlab.processes import stop_group
 
         if getattr(self, "_server", None) is not None:
             stop_group(self._server)
             self._server = None
             self._server_log.close()
+        if getattr(self, "_driver", None) is not None:
+            stop_group(self._driver)
+            self._driver = None
+            self._driver_log.close()
 
-    def environment(self, task: Task, widgets: dict[str, str]) -> dict[str, str]:
+    def environment(self, task: Task | None, widgets: dict[str, str]) -> dict[str, str]:
         """The kernel's environment variables for ``task`` (PATH without the runtime's scripts)."""
         runtime_bin = str(Path(sys.executable).parent)
         path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
@@ -764,6 +825,7 @@ class Job:
             if widgets.get("catalog") else "",
             "DTLAB_SIM_SPARK_CONF": json.dumps(single_node_spark_conf()),
             "DTLAB_SIM_DRIVER_DIR": str(self.folder / "driver"),
+            "DTLAB_SIM_DRIVER": json.dumps(getattr(self, "driver", {})),   # the gateway, removed by the start-up
             "DTLAB_SIM_API_URL": self.api_url,          # the notebook context's, removed from the environment
             "DTLAB_SIM_API_TOKEN": self.token,          # by the kernel's start-up (see _STARTUP)
             "DTLAB_DATABRICKS_USER": "",                 # unset: dtlab asks the workspace who runs the job

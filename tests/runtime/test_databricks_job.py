@@ -5,7 +5,8 @@ LTS ML's library versions: torch 2.3.1, PySpark 3.5.0, MLflow 2.13.1, numpy 1.23
 with ``.venv-dbr18``'s (``RUNTIME=17.3``, not in CI, with 17.3's); each runs the tasks whose lesson's second run
 belongs to that runtime (``tests/variants.py``). Each task
 of ``databricks.yml`` runs its notebook as the job would (see ``databricks_sim``): parameters only
-through widgets, a single-node SparkSession made beforehand, no console scripts beside the
+through widgets, a single-node SparkSession made beforehand (on the job cluster's one driver, which the tasks
+share), no console scripts beside the
 interpreter, notebooks unreadable as files, dtlab from the bundle's wheel, a job run's context and
 MLflow's workspace store behind a token. The widgets carry the task's ``base_parameters`` plus the
 notebook's other parameters (its ``alt_parameters`` over its small CI ones: 3 processes where it takes
@@ -393,6 +394,26 @@ def test_without_a_context_or_credentials_worker_env_names_the_fix_and_the_works
 
 
 @pytest.mark.timeout(300)
+def test_the_tasks_share_the_job_clusters_driver_and_each_has_a_session_of_its_own(job, tmp_path):
+    """As notebooks attached to one cluster: every task's session runs on the same driver (one Spark application),
+    and what one task sets in its session (a SQL setting, a temporary view) is not the next task's."""
+    cell = """
+out["app"] = spark.sparkContext.applicationId
+out["partitions"] = spark.conf.get("spark.sql.shuffle.partitions")
+out["views"] = [t.name for t in spark.catalog.listTables() if t.isTemporary]
+spark.conf.set("spark.sql.shuffle.partitions", "7")
+spark.range(3).createOrReplaceTempView("left_by_a_task")
+out["count"] = spark.range(3).groupBy().count().collect()[0][0]
+"""
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = _run_in_the_job(job, tmp_path / "first", cell)
+    second = _run_in_the_job(job, tmp_path / "second", cell)
+    assert first["app"] == second["app"]
+    assert second["partitions"] == first["partitions"] != "7" and "left_by_a_task" not in second["views"]
+    assert first["count"] == second["count"] == 3
+
+
 def test_dtlab_spark_stop_leaves_the_clusters_own_session_running(job, tmp_path):
     """Item 3: notebook 18 ended with dtspark.stop(spark), which stopped the cluster's session (and, on
     Databricks, the notebook's Py4J gateway). Now stop() stops only sessions dtlab.spark.session started."""
