@@ -16,6 +16,10 @@ export SPARK_LOCAL_IP ?= 127.0.0.1
 # costs 0.64x the CPU and 0.9x the wall time (benchmarks/spark_start.py), and their jobs are too short to miss the
 # optimizing compiler (tests/test_delta.py and test_spark.py: 78 s against 96 s, 88 core-s against 150).
 export SPARK_SUBMIT_OPTS ?= -XX:TieredStopAtLevel=1
+# Python writes the bytecode of what it compiles even where the environment says not to (PYTHONDONTWRITEBYTECODE=1,
+# common in containers): else pytest rewrites every test module again in each process (collecting make test-quick's
+# tests: 14.1 s and 14.2 core-s with it set, 11.6 s and 11.6 core-s without, in a fresh clone).
+export PYTHONDONTWRITEBYTECODE :=
 
 RUNTIME ?= 18
 RUNTIMES ?= 15.4 18

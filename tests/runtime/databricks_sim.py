@@ -9,7 +9,8 @@ reproduced here (the runtime's Python stack itself is the venv ``make test-runti
   ``spark.databricks.clusterUsageTags.sparkVersion``;
 * **a SparkSession exists before the notebook starts**, on the job cluster's one driver JVM, which every task of
   the job shares (each notebook its own session of the same SparkContext, as notebooks attached to one cluster
-  have), in a folder of its own (``/databricks/driver`` on a cluster), made with the ``spark_conf`` of
+  have; notebook 05, whose Horovod job has a cluster of its own, attaches to the same driver here), in a folder
+  of its own (``/databricks/driver`` on a cluster), made with the ``spark_conf`` of
   ``clusters/g5-12xlarge-single-node.yml`` (single-node profile, ``local[*, 4]`` with the node's 48 vCPUs
   as task slots: no GPU scheduling);
 * **the notebook's interpreter lives in a folder without the runtime's console scripts**
