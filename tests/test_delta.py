@@ -24,7 +24,7 @@ def catalog_cleaned(session):
     """The databases a test creates in the shared session's catalog are dropped after it, so the next test meets
     the catalog a new local session has (no information_schema)."""
     before = {d.name for d in session.catalog.listDatabases()}
-    yield session
+    yield
     for name in {d.name for d in session.catalog.listDatabases()} - before:
         session.sql(f"DROP DATABASE IF EXISTS `{name}` CASCADE")
 
@@ -95,8 +95,8 @@ def grants(session, tmp_path, schema_grants, owner="someone-else", groups=("data
     return me
 
 
-def test_privileges_are_checked_before_any_write_and_the_grant_is_named(catalog_cleaned, tmp_path, monkeypatch):
-    session = catalog_cleaned
+@pytest.mark.usefixtures("catalog_cleaned")
+def test_privileges_are_checked_before_any_write_and_the_grant_is_named(session, tmp_path, monkeypatch):
     monkeypatch.setenv("DTLAB_VOLUMES_ROOT", str(tmp_path / "Volumes"))
     me = grants(session, tmp_path, {"data-eng": ["USE SCHEMA", "CREATE TABLE"]})
     with pytest.raises(PermissionError, match=rf"lack schema CREATE MODEL.*GRANT CREATE MODEL ON SCHEMA "

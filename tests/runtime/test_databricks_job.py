@@ -414,6 +414,7 @@ out["count"] = spark.range(3).groupBy().count().collect()[0][0]
     assert first["count"] == second["count"] == 3
 
 
+@pytest.mark.timeout(300)
 def test_dtlab_spark_stop_leaves_the_clusters_own_session_running(job, tmp_path):
     """Item 3: notebook 18 ended with dtspark.stop(spark), which stopped the cluster's session (and, on
     Databricks, the notebook's Py4J gateway). Now stop() stops only sessions dtlab.spark.session started."""
